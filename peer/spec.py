@@ -1,0 +1,161 @@
+"""The run spec: everything every participant of one run must agree on.
+
+The coordinator publishes it in the DHT under ``{run_id}.spec`` as a plain dict
+(msgpack on the wire, never pickle); peers and trainers rebuild it with
+:func:`spec_from_dict`, which refuses unknown schema versions and bad values.
+"""
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+SCHEMA_VERSION = 1
+CODECS = ("none", "fp16", "bf16", "uint8", "blockwise8")
+
+
+class SpecError(ValueError):
+    """A run spec that cannot be used: unknown schema, bad field, inconsistent split."""
+
+
+@dataclass
+class ModelSpec:
+    vocab_size: int = 256
+    d_model: int = 128
+    n_layers: int = 4
+    n_heads: int = 4
+    seq_len: int = 64
+    mlp_ratio: int = 4
+
+
+@dataclass
+class OptimizerSpec:
+    kind: str = "adamw"  # adamw | nesterov | basis_rotation
+    lr: float = 2e-3
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    weight_decay: float = 0.01
+    clip_norm: float = 1.0
+    warmup_steps: int = 20
+    total_steps: int = 0  # 0: constant lr after warm-up; else cosine decay to 10 %
+    momentum_decay: float = 0.004  # nesterov (NAdam psi)
+    rotation_every: int = 10  # basis_rotation: power-iteration period f
+    stash: bool = True  # nesterov: False selects the no-stash variant
+
+
+@dataclass
+class UpdateSpec:
+    step_every: int = 1  # optimizer step every k backwards
+    max_staleness: int = 32  # gradients older than this (in local steps) are dropped
+    pending_ttl_s: float = 120.0  # forward records with no backward expire after this
+
+
+@dataclass
+class CompressionSpec:
+    activations: str = "fp16"
+    gradients: str = "fp16"
+    state: str = "none"
+
+
+@dataclass
+class LimitsSpec:
+    max_message_mb: int = 64
+    max_tensor_elements: int = 64 * 1024 * 1024
+
+
+@dataclass
+class RunSpec:
+    schema_version: int = SCHEMA_VERSION
+    run_id: str = "demo"
+    num_stages: int = 2
+    layer_split: list[int] = field(default_factory=list)  # blocks per stage; empty: even split
+    microbatch_size: int = 16
+    seed: int = 0
+    averaging_period: int = 50
+    checkpoint_every: int = 100
+    model: ModelSpec = field(default_factory=ModelSpec)
+    optimizer: OptimizerSpec = field(default_factory=OptimizerSpec)
+    update: UpdateSpec = field(default_factory=UpdateSpec)
+    compression: CompressionSpec = field(default_factory=CompressionSpec)
+    limits: LimitsSpec = field(default_factory=LimitsSpec)
+
+    def blocks_per_stage(self) -> list[int]:
+        if self.layer_split:
+            return list(self.layer_split)
+        base, extra = divmod(self.model.n_layers, self.num_stages)
+        return [base + (1 if s < extra else 0) for s in range(self.num_stages)]
+
+    def block_range(self, stage: int) -> range:
+        counts = self.blocks_per_stage()
+        start = sum(counts[:stage])
+        return range(start, start + counts[stage])
+
+    def validate(self) -> "RunSpec":
+        if self.schema_version != SCHEMA_VERSION:
+            raise SpecError(f"spec schema version {self.schema_version} is not supported (this peer knows {SCHEMA_VERSION})")
+        if self.num_stages < 1:
+            raise SpecError("num_stages must be >= 1")
+        m = self.model
+        if m.d_model % m.n_heads:
+            raise SpecError(f"d_model {m.d_model} is not divisible by n_heads {m.n_heads}")
+        counts = self.blocks_per_stage()
+        if len(counts) != self.num_stages or sum(counts) != m.n_layers or min(counts) < 0:
+            raise SpecError(f"layer_split {counts} does not split {m.n_layers} blocks into {self.num_stages} stages")
+        for role in ("activations", "gradients", "state"):
+            codec = getattr(self.compression, role)
+            if codec not in CODECS:
+                raise SpecError(f"unknown codec {codec!r} for {role}; known: {', '.join(CODECS)}")
+        if self.optimizer.kind not in ("adamw", "nesterov", "basis_rotation"):
+            raise SpecError(f"unknown optimizer kind {self.optimizer.kind!r}")
+        if self.microbatch_size < 1 or self.update.step_every < 1:
+            raise SpecError("microbatch_size and update.step_every must be >= 1")
+        return self
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _build(cls: type, data: dict[str, Any], path: str) -> Any:
+    if not isinstance(data, dict):
+        raise SpecError(f"{path or 'spec'} must be a table, got {type(data).__name__}")
+    known = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = set(data) - set(known)
+    if unknown:
+        raise SpecError(f"unknown field(s) in {path or 'spec'}: {', '.join(sorted(unknown))}")
+    kwargs: dict[str, Any] = {}
+    for name, value in data.items():
+        default = getattr(cls(), name)
+        where = f"{path}.{name}" if path else name
+        if dataclasses.is_dataclass(default):
+            kwargs[name] = _build(type(default), value, where)
+        elif isinstance(default, tuple):
+            kwargs[name] = tuple(float(v) for v in value)
+        elif isinstance(default, bool):
+            if not isinstance(value, bool):
+                raise SpecError(f"{where} must be a boolean")
+            kwargs[name] = value
+        elif isinstance(default, (int, float)):
+            if not isinstance(value, (int, float)) or isinstance(value, bool):
+                raise SpecError(f"{where} must be a number, got {value!r}")
+            kwargs[name] = type(default)(value)
+        elif isinstance(default, list):
+            kwargs[name] = [int(v) for v in value]
+        else:
+            kwargs[name] = str(value)
+    return cls(**kwargs)
+
+
+def spec_from_dict(data: dict[str, Any]) -> RunSpec:
+    return _build(RunSpec, data, "").validate()
+
+
+def load_spec(path: str | Path | None = None, **overrides: Any) -> RunSpec:
+    """Default spec, or a TOML file, with top-level overrides (e.g. num_stages, run_id)."""
+    data: dict[str, Any] = {}
+    if path:
+        with open(path, "rb") as f:
+            data = tomllib.load(f)
+    data.update({k: v for k, v in overrides.items() if v is not None})
+    return spec_from_dict(data)
