@@ -41,6 +41,7 @@ class OptimizerSpec:
     warmup_steps: int = 20
     total_steps: int = 0  # 0: constant lr after warm-up; else cosine decay to 10 %
     momentum_decay: float = 0.004  # nesterov (NAdam psi)
+    nesterov_beta1: float = 0.99  # nesterov: beta1 (replaces betas[0]; betas[1] stays beta2)
     rotation_every: int = 10  # basis_rotation: power-iteration period f
     stash: bool = True  # nesterov: False selects the no-stash variant
 

@@ -14,7 +14,12 @@ from typing import Iterable
 import torch
 from torch import nn
 
+from peer.optim.basis_rotation import BasisRotationAdam, rotation_param_groups
+from peer.optim.nesterov import PipelineNesterov, stage_beta1, stage_delay
 from peer.spec import OptimizerSpec
+
+# Horizon T of the no-stash learning-rate correction when the spec has no total_steps.
+DEFAULT_CORRECTION_STEPS = 1000
 
 
 def scheduled_lr(spec: OptimizerSpec, step: int) -> float:
@@ -31,14 +36,43 @@ def scheduled_lr(spec: OptimizerSpec, step: int) -> float:
 def build_optimizer(
     named_params: Iterable[tuple[str, nn.Parameter]], spec: OptimizerSpec, stage: int, num_stages: int
 ) -> torch.optim.Optimizer:
-    params = [p for _, p in named_params if p.requires_grad]
+    """The stage's optimizer for ``spec.kind``.
+
+    * ``adamw``: torch AdamW (the naive asynchronous baseline).
+    * ``nesterov``: :class:`PipelineNesterov` with beta1 = ``spec.nesterov_beta1`` (0.99 by
+      default; ``spec.betas[0]`` is ignored, ``spec.betas[1]`` is beta2). With
+      ``spec.stash`` False the beta1 grows with the stage's delay (:func:`stage_beta1`).
+    * ``basis_rotation``: :class:`BasisRotationAdam`; attention/MLP matrices rotated,
+      everything else plain AdamW in a second param group.
+    """
+    named = [(n, p) for n, p in named_params if p.requires_grad]
+    params = [p for _, p in named]
     if spec.kind == "adamw":
         return torch.optim.AdamW(params, lr=spec.lr, betas=spec.betas, eps=spec.eps, weight_decay=spec.weight_decay)
+    if spec.kind == "nesterov":
+        beta1 = spec.nesterov_beta1 if spec.stash else stage_beta1(spec.nesterov_beta1, stage, num_stages)
+        return PipelineNesterov(params, lr=spec.lr, betas=(beta1, spec.betas[1]), eps=spec.eps,
+                                weight_decay=spec.weight_decay, momentum_decay=spec.momentum_decay)
+    if spec.kind == "basis_rotation":
+        return BasisRotationAdam(rotation_param_groups(named), lr=spec.lr, betas=spec.betas, eps=spec.eps,
+                                 weight_decay=spec.weight_decay, rotation_every=spec.rotation_every)
     raise ValueError(f"optimizer kind {spec.kind!r} is not available")
 
 
+def stage_lr_factor(spec: OptimizerSpec, step: int, stage: int, num_stages: int) -> float:
+    """No-stash nesterov: ``1 / tau_k ** (1 - min(t / T, 1))``, tau_k = max(1, P - 1 - k); else 1.
+
+    Long-delay stages start with lr / tau_k and reach the full rate at T
+    (``spec.total_steps``, or DEFAULT_CORRECTION_STEPS when that is 0).
+    """
+    if spec.kind != "nesterov" or spec.stash:
+        return 1.0
+    horizon = spec.total_steps if spec.total_steps > 0 else DEFAULT_CORRECTION_STEPS
+    return stage_delay(stage, num_stages) ** -(1.0 - min(step / horizon, 1.0))
+
+
 def set_learning_rate(optimizer: torch.optim.Optimizer, spec: OptimizerSpec, step: int, stage: int, num_stages: int) -> float:
-    lr = scheduled_lr(spec, step)
+    lr = scheduled_lr(spec, step) * stage_lr_factor(spec, step, stage, num_stages)
     for group in optimizer.param_groups:
         group["lr"] = lr
     return lr

@@ -1,0 +1,154 @@
+"""Adam in a rotated basis (Jung, Shin, Lee, ICML 2026, arXiv 2602.03515).
+
+Delayed gradients hurt Adam most when the Hessian's eigenbasis is misaligned with
+the coordinate axes: coordinate-wise adaptivity then oscillates and a stale update
+points the wrong way. Basis rotation runs Adam's second moment in an approximate
+eigenbasis of each weight matrix (bilateral: left and right factors), so the
+delayed updates stay useful.
+
+For every matrix parameter W (m x n) of a ``rotate`` group, with gradient G:
+
+* ``L <- beta2 L + (1 - beta2) G G^T`` and ``R <- beta2 R + (1 - beta2) G^T G``;
+* eigenbases ``Q_L``, ``Q_R``: full ``eigh`` at the first step, then every
+  ``rotation_every`` steps one power-iteration step ``QR(M Q)``, re-sorted by the
+  estimated eigenvalues ``diag(Q^T M Q)`` (descending) with the second moment
+  permuted to match;
+* first moment m in the original space; ``G' = Q_L^T G Q_R``, ``M' = Q_L^T m Q_R``;
+  second moment ``v <- beta2 v + (1 - beta2) G'^2`` kept in the rotated space;
+* step ``W <- W (1 - lr wd) - lr Q_L [(M'/bc1) / (sqrt(v/bc2) + eps)] Q_R^T``.
+
+Other parameters (``rotate`` False: embeddings, norms, biases, head) get plain AdamW
+math in the same optimizer, so one ``state_dict`` covers the whole stage. With the
+identity basis (``init_basis="identity"``, ``rotation_every=0``) a rotate group is
+exactly AdamW.
+"""
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+import torch
+
+
+def is_rotated_param(name: str, param: torch.Tensor) -> bool:
+    """The 2-D attention and MLP weights of a PipelineStage (qkv, proj, fc, fc_out)."""
+    return param.dim() == 2 and ("attn." in name or ".fc" in name)
+
+
+def _sorted_eigh(m: torch.Tensor) -> torch.Tensor:
+    """Eigenvectors of a symmetric matrix as columns, by descending eigenvalue."""
+    _, vecs = torch.linalg.eigh(m)
+    return vecs.flip(-1).contiguous()
+
+
+def _power_step(m: torch.Tensor, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One power-iteration step with re-orthogonalisation; returns (new basis, permutation)."""
+    q_new, _ = torch.linalg.qr(m @ q)
+    estimates = (q_new * (m @ q_new)).sum(dim=0)  # diag(Q^T M Q) without the full product
+    order = torch.argsort(estimates, descending=True)
+    return q_new[:, order].contiguous(), order
+
+
+class BasisRotationAdam(torch.optim.Optimizer):
+    """AdamW with bilateral basis rotation for ``rotate`` param groups (see module docstring)."""
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.01,
+        rotation_every: int = 10,
+        rotate: bool = False,
+        init_basis: str = "eigh",
+    ) -> None:
+        if init_basis not in ("eigh", "identity"):
+            raise ValueError(f"init_basis must be 'eigh' or 'identity', got {init_basis!r}")
+        if rotation_every < 0:
+            raise ValueError("rotation_every must be >= 0 (0: never refresh the basis)")
+        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
+                        rotation_every=rotation_every, rotate=rotate, init_basis=init_basis)
+        super().__init__(params, defaults)
+        for group in self.param_groups:
+            if group["rotate"] and any(p.dim() != 2 for p in group["params"]):
+                raise ValueError("rotate groups may only hold matrices")
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                if group["rotate"]:
+                    self._rotated_step(p, group)
+                else:
+                    self._adamw_step(p, group)
+        return loss
+
+    def _adamw_step(self, p: torch.Tensor, group: dict[str, Any]) -> None:
+        beta1, beta2 = group["betas"]
+        lr, eps, wd = group["lr"], group["eps"], group["weight_decay"]
+        state = self.state[p]
+        if not state:
+            state["step"] = 0.0
+            state["exp_avg"] = torch.zeros_like(p)
+            state["exp_avg_sq"] = torch.zeros_like(p)
+        state["step"] = step = float(state["step"]) + 1.0
+        grad = p.grad
+        p.mul_(1.0 - lr * wd)
+        state["exp_avg"].lerp_(grad, 1.0 - beta1)
+        state["exp_avg_sq"].mul_(beta2).addcmul_(grad, grad, value=1.0 - beta2)
+        denom = (state["exp_avg_sq"].sqrt() / (1.0 - beta2**step) ** 0.5).add_(eps)
+        p.addcdiv_(state["exp_avg"], denom, value=-lr / (1.0 - beta1**step))
+
+    def _rotated_step(self, p: torch.Tensor, group: dict[str, Any]) -> None:
+        beta1, beta2 = group["betas"]
+        lr, eps, wd, every = group["lr"], group["eps"], group["weight_decay"], group["rotation_every"]
+        grad = p.grad
+        state = self.state[p]
+        first = not state
+        if first:
+            m, n = p.shape
+            state["step"] = 0.0
+            state["exp_avg"] = torch.zeros_like(p)
+            state["exp_avg_sq"] = torch.zeros_like(p)  # lives in the rotated space
+            state["gg_left"] = torch.zeros(m, m, dtype=p.dtype, device=p.device)
+            state["gg_right"] = torch.zeros(n, n, dtype=p.dtype, device=p.device)
+            state["q_left"] = torch.eye(m, dtype=p.dtype, device=p.device)
+            state["q_right"] = torch.eye(n, dtype=p.dtype, device=p.device)
+        state["step"] = step = float(state["step"]) + 1.0
+        gg_left, gg_right, v = state["gg_left"], state["gg_right"], state["exp_avg_sq"]
+        gg_left.mul_(beta2).addmm_(grad, grad.T, alpha=1.0 - beta2)
+        gg_right.mul_(beta2).addmm_(grad.T, grad, alpha=1.0 - beta2)
+        if first and group["init_basis"] == "eigh":
+            # Full decomposition once; afterwards the basis drifts slowly, so one cheap
+            # power-iteration step every f steps tracks it.
+            state["q_left"] = _sorted_eigh(gg_left)
+            state["q_right"] = _sorted_eigh(gg_right)
+        elif not first and every > 0 and int(step) % every == 0:
+            state["q_left"], order = _power_step(gg_left, state["q_left"])
+            v.copy_(v[order, :])
+            state["q_right"], order = _power_step(gg_right, state["q_right"])
+            v.copy_(v[:, order])
+        q_left, q_right = state["q_left"], state["q_right"]
+        p.mul_(1.0 - lr * wd)
+        exp_avg = state["exp_avg"].lerp_(grad, 1.0 - beta1)
+        grad_rot = q_left.T @ grad @ q_right
+        v.mul_(beta2).addcmul_(grad_rot, grad_rot, value=1.0 - beta2)
+        denom = (v.sqrt() / (1.0 - beta2**step) ** 0.5).add_(eps)
+        direction = (q_left.T @ exp_avg @ q_right).div_(denom)
+        p.add_(q_left @ direction @ q_right.T, alpha=-lr / (1.0 - beta1**step))
+
+
+def rotation_param_groups(named_params: Iterable[tuple[str, torch.nn.Parameter]]) -> list[dict[str, Any]]:
+    """Split a stage's parameters into a rotated group (matrices) and a plain AdamW group."""
+    rotated, plain = [], []
+    for name, p in named_params:
+        if p.requires_grad:
+            (rotated if is_rotated_param(name, p) else plain).append(p)
+    groups = [{"params": rotated, "rotate": True}] if rotated else []
+    return groups + ([{"params": plain, "rotate": False}] if plain else [])

@@ -1,0 +1,123 @@
+"""PipelineNesterov: hand-computed steps, NAdam equivalence, no-stash corrections, state round trip."""
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+
+from peer.model import PipelineStage, lm_loss
+from peer.optim import build_optimizer, set_learning_rate, stage_lr_factor
+from peer.optim.nesterov import PipelineNesterov, stage_beta1
+from peer.spec import ModelSpec, OptimizerSpec, RunSpec
+
+pytestmark = pytest.mark.unit
+torch.set_num_threads(1)
+
+
+def test_two_hand_computed_steps() -> None:
+    lr, b1, b2, eps, wd, psi = 0.1, 0.9, 0.99, 1e-8, 0.1, 0.004
+    p = torch.nn.Parameter(torch.tensor([1.0, -2.0]))
+    opt = PipelineNesterov([p], lr=lr, betas=(b1, b2), eps=eps, weight_decay=wd, momentum_decay=psi)
+    x, m, v, prod = [1.0, -2.0], [0.0, 0.0], [0.0, 0.0], 1.0
+    for t, g in enumerate(([0.5, -1.0], [-0.25, 2.0]), start=1):
+        p.grad = torch.tensor(g)
+        opt.step()
+        mu = b1 * (1 - 0.5 * 0.96 ** (t * psi))
+        mu_next = b1 * (1 - 0.5 * 0.96 ** ((t + 1) * psi))
+        prod *= mu
+        for i in range(2):
+            x[i] *= 1 - lr * wd
+            m[i] = b1 * m[i] + (1 - b1) * g[i]
+            v[i] = b2 * v[i] + (1 - b2) * g[i] ** 2
+            denom = math.sqrt(v[i] / (1 - b2**t)) + eps
+            x[i] -= lr * (1 - mu) / (1 - prod) * g[i] / denom + lr * mu_next / (1 - prod * mu_next) * m[i] / denom
+        assert p.detach().tolist() == pytest.approx(x, rel=1e-6)
+
+
+@pytest.mark.parametrize("wd", [0.0, 0.05])
+def test_matches_torch_nadam(wd: float) -> None:
+    gen = torch.Generator().manual_seed(0)
+    init = torch.randn(4, 3, generator=gen)
+    ours = torch.nn.Parameter(init.clone())
+    ref = torch.nn.Parameter(init.clone())
+    kw = dict(lr=0.01, betas=(0.99, 0.999), eps=1e-8, weight_decay=wd, momentum_decay=0.004)
+    opt = PipelineNesterov([ours], **kw)
+    ref_opt = torch.optim.NAdam([ref], decoupled_weight_decay=True, **kw)
+    for _ in range(6):
+        g = torch.randn(4, 3, generator=gen)
+        ours.grad, ref.grad = g.clone(), g.clone()
+        opt.step()
+        ref_opt.step()
+    torch.testing.assert_close(ours.detach(), ref.detach(), rtol=1e-5, atol=1e-7)
+
+
+def test_build_uses_nesterov_beta1_and_stage_momentum() -> None:
+    spec = RunSpec(num_stages=8, model=ModelSpec(d_model=16, n_layers=8, n_heads=2, seq_len=8))
+    stage = PipelineStage(spec, 0)
+    opt_spec = OptimizerSpec(kind="nesterov")
+    opt = build_optimizer(stage.named_parameters(), opt_spec, 0, 8)
+    assert isinstance(opt, PipelineNesterov)
+    assert opt.param_groups[0]["betas"] == (0.99, 0.999)
+    nostash = OptimizerSpec(kind="nesterov", stash=False)
+    betas0 = build_optimizer(stage.named_parameters(), nostash, 0, 8).param_groups[0]["betas"]
+    assert betas0[0] == pytest.approx(1 - 0.01 / 7)
+    # Last and second-to-last stages (tau = 0 -> 1, tau = 1) keep the plain beta1.
+    assert stage_beta1(0.99, 7, 8) == stage_beta1(0.99, 6, 8) == 0.99
+    assert stage_beta1(0.99, 0, 64) == 0.999  # capped
+    assert all(stage_beta1(0.99, k, 8) >= stage_beta1(0.99, k + 1, 8) for k in range(7))
+
+
+def test_nostash_learning_rate_correction() -> None:
+    spec = OptimizerSpec(kind="nesterov", stash=False, lr=1e-3, warmup_steps=0, total_steps=100)
+    # lr_k(t) = lr(t) / tau_k ** (1 - t/T), tau_k = max(1, P-1-k).
+    assert stage_lr_factor(spec, 0, 0, 4) == pytest.approx(1 / 3)
+    assert stage_lr_factor(spec, 50, 0, 4) == pytest.approx(3**-0.5)
+    assert stage_lr_factor(spec, 100, 0, 4) == 1.0
+    assert stage_lr_factor(spec, 500, 1, 4) == 1.0
+    assert stage_lr_factor(spec, 0, 3, 4) == 1.0
+    p = torch.nn.Parameter(torch.zeros(2))
+    opt = PipelineNesterov([p])
+    lr = set_learning_rate(opt, spec, 50, 0, 4)
+    assert opt.param_groups[0]["lr"] == lr
+    from peer.optim import scheduled_lr
+    assert lr == pytest.approx(scheduled_lr(spec, 50) * 3**-0.5)
+    # Stashing peers and other kinds get no correction; total_steps 0 falls back to a fixed horizon.
+    assert stage_lr_factor(OptimizerSpec(kind="nesterov"), 0, 0, 4) == 1.0
+    assert stage_lr_factor(OptimizerSpec(kind="adamw", stash=False), 0, 0, 4) == 1.0
+    assert 1 / 3 < stage_lr_factor(OptimizerSpec(kind="nesterov", stash=False), 10, 0, 4) < 1.0
+
+
+def _train(stage: PipelineStage, opt: torch.optim.Optimizer, spec: OptimizerSpec, batches: list, start: int) -> None:
+    for i, (x, y) in enumerate(batches):
+        set_learning_rate(opt, spec, start + i, 0, 1)
+        lm_loss(stage(x), y).backward()
+        torch.nn.utils.clip_grad_norm_(stage.parameters(), spec.clip_norm)
+        opt.step()
+        opt.zero_grad()
+
+
+@pytest.mark.parametrize("stash", [True, False])
+def test_state_round_trip_continues_identically(stash: bool) -> None:
+    spec = RunSpec(num_stages=1, model=ModelSpec(d_model=16, n_layers=1, n_heads=2, seq_len=8))
+    opt_spec = OptimizerSpec(kind="nesterov", warmup_steps=2, stash=stash)
+    gen = torch.Generator().manual_seed(1)
+    batches = [(torch.randint(0, 256, (2, 8), generator=gen), torch.randint(0, 256, (2, 8), generator=gen))
+               for _ in range(6)]
+    stage = PipelineStage(spec, 0)
+    opt = build_optimizer(stage.named_parameters(), opt_spec, 0, 1)
+    _train(stage, opt, opt_spec, batches[:3], 0)
+    saved_model = copy.deepcopy(stage.state_dict())
+    saved_opt = copy.deepcopy(opt.state_dict())
+    for s in saved_opt["state"].values():  # only tensors and plain scalars travel
+        assert all(isinstance(v, (torch.Tensor, float, int)) for v in s.values())
+    _train(stage, opt, opt_spec, batches[3:], 3)
+
+    clone = PipelineStage(spec, 0)
+    clone.load_state_dict(saved_model)
+    clone_opt = build_optimizer(clone.named_parameters(), opt_spec, 0, 1)
+    clone_opt.load_state_dict(saved_opt)
+    _train(clone, clone_opt, opt_spec, batches[3:], 3)
+    for a, b in zip(stage.parameters(), clone.parameters()):
+        assert torch.equal(a, b)
