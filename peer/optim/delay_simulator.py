@@ -1,0 +1,201 @@
+"""Exact per-stage gradient delays of an asynchronous pipeline, in one process.
+
+The real model is split into P :class:`PipelineStage` s, each with its own optimizer
+(built by :func:`build_optimizer`, lr from :func:`set_learning_rate`, gradients
+clipped per stage by ``clip_norm`` as the stage runtime does). Micro-batch t is
+processed by stage k on the weight version from ``tau_k`` updates before, which is
+what an asynchronous 1F1B pipeline (PipeDream) does: stage k has ``P - 1 - k``
+micro-batches in flight between a forward and its backward.
+
+Modes:
+
+* ``stash``: forward and backward at stage k both on version ``u - tau_k`` (weight
+  stashing); the gradient is applied to the live weights. All-zero delays give
+  plain synchronous training with the same code.
+* ``nostash``: forward on the stale version, backward recomputed on the live weights
+  from the stored (stale) input activations, as a peer without weight stashing does.
+* ``gpipe``: the synchronous GPipe-equivalent baseline: delays 0 and ``accumulate``
+  (default 4) micro-batches averaged per update, so the same samples make fewer,
+  larger steps. Warm-up and total steps of the lr schedule are divided by
+  ``accumulate`` so the schedule spans the same samples.
+
+Versions are counted in updates: version u is the stage's weights after u optimizer
+steps. During pipeline fill the version is clamped at 0, as in a real pipeline.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, Sequence
+
+import torch
+from torch.func import functional_call
+
+from peer.model import PipelineStage, lm_loss
+from peer.optim import build_optimizer, set_learning_rate
+from peer.spec import RunSpec
+
+Batch = tuple[torch.Tensor, torch.Tensor]
+Params = dict[str, torch.Tensor]
+MODES = ("stash", "nostash", "gpipe")
+
+
+def one_f_one_b_delays(num_stages: int) -> list[int]:
+    """Delays of asynchronous 1F1B: the last stage is current, stage 0 is P - 1 updates behind."""
+    return [num_stages - 1 - k for k in range(num_stages)]
+
+
+@dataclass
+class StageEvent:
+    """What one stage computed for one micro-batch (passed to the observer)."""
+
+    micro: int  # micro-batch index
+    update: int  # updates done when the micro-batch was processed (= live version)
+    stage: int
+    forward_version: int
+    backward_version: int
+    forward_params: Params  # the tensors actually used (do not modify)
+    backward_params: Params
+
+
+@dataclass
+class SimResult:
+    train_losses: list[float] = field(default_factory=list)  # per micro-batch
+    eval_micro: list[int] = field(default_factory=list)  # micro-batches seen at each evaluation
+    eval_losses: list[float] = field(default_factory=list)
+    updates: int = 0
+    seconds: float = 0.0
+
+
+class DelaySimulator:
+    """P live stages, their optimizers and rings of stashed weight versions."""
+
+    def __init__(self, spec: RunSpec, delays: Sequence[int] | None = None, mode: str = "stash",
+                 accumulate: int | None = None, observer: Callable[[StageEvent], None] | None = None):
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        self.num_stages = P = spec.num_stages
+        if mode == "gpipe":
+            delays = [0] * P
+            accumulate = 4 if accumulate is None else accumulate
+            opt = spec.optimizer
+            spec = dataclasses.replace(spec, optimizer=dataclasses.replace(
+                opt, warmup_steps=opt.warmup_steps // accumulate, total_steps=opt.total_steps // accumulate))
+        self.delays = list(one_f_one_b_delays(P) if delays is None else delays)
+        if len(self.delays) != P or min(self.delays) < 0:
+            raise ValueError(f"need {P} non-negative delays, got {self.delays}")
+        self.spec, self.mode, self.observer = spec, mode, observer
+        self.accumulate = accumulate or 1
+        self.stages = [PipelineStage(spec, k) for k in range(P)]
+        self.optimizers = [build_optimizer(s.named_parameters(), spec.optimizer, k, P) for k, s in enumerate(self.stages)]
+        self.updates = 0
+        self.micro = 0
+        # ring[k] holds (version, params) for versions updates - tau_k .. updates.
+        self.rings: list[deque[tuple[int, Params]]] = [deque(maxlen=d + 1) for d in self.delays]
+        for k in range(P):
+            self.rings[k].append((0, self._snapshot(k)))
+
+    def _snapshot(self, k: int) -> Params:
+        return {n: p.detach().clone() for n, p in self.stages[k].named_parameters()}
+
+    def version_for(self, stage: int) -> int:
+        return max(0, self.updates - self.delays[stage])
+
+    def stashed(self, stage: int, version: int) -> Params:
+        for v, params in self.rings[stage]:
+            if v == version:
+                return params
+        raise KeyError(f"stage {stage} holds no version {version}")
+
+    def train_micro(self, tokens: torch.Tensor, targets: torch.Tensor) -> float:
+        """One micro-batch through all stages; steps every stage after ``accumulate`` of them."""
+        loss = self._stash_pass(tokens, targets) if self.mode != "nostash" else self._nostash_pass(tokens, targets)
+        self.micro += 1
+        if self.micro % self.accumulate == 0:
+            self._update()
+        return loss
+
+    def _stash_pass(self, tokens: torch.Tensor, targets: torch.Tensor) -> float:
+        # Fresh leaves over the stashed tensors: version 0 may serve several micro-batches.
+        leaves = [{n: t.detach().requires_grad_() for n, t in self.stashed(k, self.version_for(k)).items()}
+                  for k in range(self.num_stages)]
+        x = tokens
+        for k, stage in enumerate(self.stages):
+            x = functional_call(stage, leaves[k], (x,))
+        loss = lm_loss(x, targets)
+        (loss / self.accumulate).backward()
+        for k, stage in enumerate(self.stages):
+            for n, p in stage.named_parameters():
+                g = leaves[k][n].grad
+                p.grad = g if p.grad is None else p.grad + g
+            self._observe(k, self.version_for(k), leaves[k], self.version_for(k), leaves[k])
+        return float(loss.detach())
+
+    def _nostash_pass(self, tokens: torch.Tensor, targets: torch.Tensor) -> float:
+        inputs, x = [], tokens
+        with torch.no_grad():
+            for k, stage in enumerate(self.stages):
+                inputs.append(x)
+                x = functional_call(stage, self.stashed(k, self.version_for(k)), (x,))
+            loss = float(lm_loss(x, targets))
+        grad_out: torch.Tensor | None = None
+        for k in reversed(range(self.num_stages)):
+            # Recompute this stage on live weights from its stored stale input.
+            stage, x_in = self.stages[k], inputs[k]
+            if k > 0:
+                x_in = x_in.detach().requires_grad_()
+            out = stage(x_in)
+            if k == self.num_stages - 1:
+                (lm_loss(out, targets) / self.accumulate).backward()
+            else:
+                out.backward(grad_out)
+            grad_out = x_in.grad if k > 0 else None
+            live = dict(stage.named_parameters())
+            self._observe(k, self.version_for(k), self.stashed(k, self.version_for(k)), self.updates, live)
+        return loss
+
+    def _observe(self, k: int, fv: int, fp: Params, bv: int, bp: Params) -> None:
+        if self.observer is not None:
+            self.observer(StageEvent(self.micro, self.updates, k, fv, bv, fp, bp))
+
+    def _update(self) -> None:
+        opt_spec = self.spec.optimizer
+        for k, (stage, opt) in enumerate(zip(self.stages, self.optimizers)):
+            set_learning_rate(opt, opt_spec, self.updates, k, self.num_stages)
+            if opt_spec.clip_norm > 0:
+                torch.nn.utils.clip_grad_norm_(stage.parameters(), opt_spec.clip_norm)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        self.updates += 1
+        for k in range(self.num_stages):
+            self.rings[k].append((self.updates, self._snapshot(k)))
+
+    @torch.no_grad()
+    def evaluate(self, batches: Iterable[Batch]) -> float:
+        """Mean loss of the live weights on the given batches."""
+        losses = []
+        for tokens, targets in batches:
+            x = tokens
+            for stage in self.stages:
+                x = stage(x)
+            losses.append(float(lm_loss(x, targets)))
+        return sum(losses) / max(1, len(losses))
+
+
+def simulate(spec: RunSpec, steps: int, next_batch: Callable[[], Batch], delays: Sequence[int] | None = None,
+             mode: str = "stash", eval_batches: Sequence[Batch] = (), eval_every: int = 0,
+             accumulate: int | None = None, observer: Callable[[StageEvent], None] | None = None) -> SimResult:
+    """Train for ``steps`` micro-batches; evaluate every ``eval_every`` micro-batches and at the end."""
+    sim = DelaySimulator(spec, delays, mode, accumulate, observer)
+    result = SimResult()
+    start = time.perf_counter()
+    for i in range(1, steps + 1):
+        result.train_losses.append(sim.train_micro(*next_batch()))
+        if eval_batches and ((eval_every and i % eval_every == 0) or i == steps):
+            result.eval_micro.append(i)
+            result.eval_losses.append(sim.evaluate(eval_batches))
+    result.updates = sim.updates
+    result.seconds = time.perf_counter() - start
+    return result
