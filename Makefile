@@ -1,0 +1,33 @@
+# Each target creates .venv when it is missing.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+
+.PHONY: setup demo test test-fast compose-test bench protos clean
+
+$(BIN)/swarmpipe: pyproject.toml
+	test -d $(VENV) || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet -e '.[dev]'
+	touch $(BIN)/swarmpipe
+
+setup: $(BIN)/swarmpipe
+
+demo: setup
+	$(BIN)/swarmpipe demo
+
+test: setup
+	$(BIN)/python -m pytest tests -m "not compose" -q
+
+compose-test: setup
+	$(BIN)/python -m pytest tests/compose -m compose -q -s
+
+bench: setup
+	$(BIN)/python bench/convergence.py
+
+# Regenerate protos/swarm_pb2*.py from protos/swarm.proto (tests fail when they drift).
+protos: setup
+	$(BIN)/python -m grpc_tools.protoc -I. --python_out=. --pyi_out=. --grpc_python_out=. protos/swarm.proto
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache

@@ -1,0 +1,138 @@
+"""Convergence of asynchronous pipeline optimizers under exact 1F1B gradient delays.
+
+A byte-level GPT (8 blocks, width 64, context 64, micro-batch 16) on the stdlib
+corpus, split into P = 8 stages, trained in the delay simulator
+(peer/optim/delay_simulator.py). Every run sees the same micro-batches in the same
+order and is scored on the same held-out batches.
+
+Quick set (default, < 10 min on one thread): sync AdamW, GPipe-equivalent AdamW,
+async AdamW, async Nesterov, async basis rotation, all with weight stashing at P = 8.
+``--full`` adds P = 4, the no-stash variants (AdamW, Nesterov) and a second seed.
+
+    python bench/convergence.py [--steps 1000] [--lr 3e-3] [--full] [--out bench/results/convergence.json]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from peer.data import BatchSampler, CorpusSplit, load_corpus  # noqa: E402
+from peer.optim.delay_simulator import one_f_one_b_delays, simulate  # noqa: E402
+from peer.spec import ModelSpec, OptimizerSpec, RunSpec  # noqa: E402
+
+DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "convergence.json"
+
+
+@dataclass
+class RunConfig:
+    name: str
+    kind: str  # optimizer kind
+    mode: str  # simulator mode: stash | nostash | gpipe
+    stages: int
+    seed: int
+    synchronous: bool = False  # zero delays
+
+    @property
+    def label(self) -> str:
+        return f"{self.name} P={self.stages} seed={self.seed}"
+
+
+def run_set(full: bool) -> list[RunConfig]:
+    runs: list[RunConfig] = []
+    for seed in ((0, 1) if full else (0,)):
+        for stages in ((8, 4) if full else (8,)):
+            runs += [
+                RunConfig("sync_adamw", "adamw", "stash", stages, seed, synchronous=True),
+                RunConfig("gpipe_adamw", "adamw", "gpipe", stages, seed),
+                RunConfig("async_adamw", "adamw", "stash", stages, seed),
+                RunConfig("async_nesterov", "nesterov", "stash", stages, seed),
+                RunConfig("async_basis_rotation", "basis_rotation", "stash", stages, seed),
+            ]
+            if full:
+                runs += [
+                    RunConfig("nostash_adamw", "adamw", "nostash", stages, seed),
+                    RunConfig("nostash_nesterov", "nesterov", "nostash", stages, seed),
+                ]
+    return runs
+
+
+def make_spec(cfg: RunConfig, lr: float, steps: int, warmup: int) -> RunSpec:
+    opt = OptimizerSpec(kind=cfg.kind, lr=lr, warmup_steps=warmup, total_steps=steps, stash=cfg.mode != "nostash")
+    model = ModelSpec(d_model=64, n_layers=8, n_heads=4, seq_len=64)
+    return RunSpec(num_stages=cfg.stages, seed=cfg.seed, microbatch_size=16, model=model, optimizer=opt).validate()
+
+
+def steps_to_reach(eval_micro: list[int], eval_losses: list[float], target: float) -> int | None:
+    return next((m for m, loss in zip(eval_micro, eval_losses) if loss <= target), None)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=1000, help="micro-batches per run (updates, except GPipe: /4)")
+    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--warmup", type=int, default=20)
+    parser.add_argument("--eval-every", type=int, default=50)
+    parser.add_argument("--eval-batches", type=int, default=8)
+    parser.add_argument("--full", action="store_true", help="add P=4, no-stash variants and a second seed")
+    parser.add_argument("--only", default="", help="comma-separated run names to keep (for quick checks)")
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+
+    split = CorpusSplit.from_bytes(load_corpus())
+    evals = BatchSampler(split.valid, 16, 64, seed=1234).fixed_batches(args.eval_batches)
+    runs = run_set(args.full)
+    if args.only:
+        keep = set(args.only.split(","))
+        runs = [r for r in runs if r.name in keep or r.name == "sync_adamw"]
+    started = time.perf_counter()
+    results = []
+    for cfg in runs:
+        spec = make_spec(cfg, args.lr, args.steps, args.warmup)
+        sampler = BatchSampler(split.train, 16, 64, seed=cfg.seed)  # same data order for every run of a seed
+        delays = [0] * cfg.stages if cfg.synchronous else one_f_one_b_delays(cfg.stages)
+        res = simulate(spec, args.steps, sampler.next, delays=delays, mode=cfg.mode,
+                       eval_batches=evals, eval_every=args.eval_every)
+        record = {**asdict(cfg), "delays": [0] * cfg.stages if cfg.mode == "gpipe" else delays,
+                  "final_eval": res.eval_losses[-1], "eval_micro": res.eval_micro, "eval_losses": res.eval_losses,
+                  "train_last50": sum(res.train_losses[-50:]) / min(50, len(res.train_losses)),
+                  "updates": res.updates, "seconds": round(res.seconds, 1)}
+        results.append(record)
+        print(f"{cfg.label:<40} val {record['final_eval']:.4f}  {res.seconds:6.1f}s", flush=True)
+
+    half = args.steps // 2
+    for rec in results:  # target: the sync AdamW validation loss at 50 % of the budget, same P and seed
+        sync = next(r for r in results if r["name"] == "sync_adamw" and r["stages"] == rec["stages"]
+                    and r["seed"] == rec["seed"])
+        target = next(loss for m, loss in zip(sync["eval_micro"], sync["eval_losses"]) if m >= half)
+        rec["target"] = target
+        rec["steps_to_target"] = steps_to_reach(rec["eval_micro"], rec["eval_losses"], target)
+
+    print(f"\nvalidation loss after {args.steps} micro-batches of 16 (lr {args.lr}); "
+          f"steps = micro-batches to reach sync AdamW's loss at {half}")
+    print(f"{'run':<22} {'P':>2} {'seed':>4} {'val loss':>9} {'steps':>6} {'time s':>7}")
+    for rec in results:
+        steps = rec["steps_to_target"] if rec["steps_to_target"] is not None else "never"
+        print(f"{rec['name']:<22} {rec['stages']:>2} {rec['seed']:>4} {rec['final_eval']:>9.4f} {steps!s:>6} {rec['seconds']:>7}")
+    total = time.perf_counter() - started
+    print(f"total {total:.0f}s")
+
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    payload = {"config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+               "model": asdict(ModelSpec(d_model=64, n_layers=8, n_heads=4, seq_len=64)),
+               "torch_threads": torch.get_num_threads(), "seconds": round(total, 1), "runs": results}
+    args.out.write_text(json.dumps(payload, indent=1))
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

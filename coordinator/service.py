@@ -1,0 +1,165 @@
+"""The coordinator: first DHT node, publisher of the run spec, observer of the swarm.
+
+It is not on the data path: peers re-publish the spec they hold, so the swarm
+trains on while the coordinator is down. Its identity file and saved DHT port
+give it the same multiaddr after a restart.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import time
+from collections import deque
+from pathlib import Path
+from typing import Any
+
+from coordinator.http import SwarmHttpServer
+from peer.config import CoordinatorConfig
+from peer.events import EventLog
+from peer.records import RunIndexRecord, now
+from peer.spec import RunSpec, load_spec
+from peer.swarm_dht import SwarmDHT, start_dht, visible_maddrs
+
+log = logging.getLogger("swarmpipe.coordinator")
+POLL_PERIOD_S = 2.0
+HISTORY_POINTS = 2000
+
+
+def _saved_port(identity: str) -> int:
+    path = Path(identity + ".port")
+    try:
+        return int(path.read_text().strip())
+    except (OSError, ValueError):
+        return 0
+
+
+class Coordinator:
+    def __init__(self, cfg: CoordinatorConfig):
+        self.cfg = cfg
+        overrides: dict[str, Any] = {"run_id": cfg.run_id or None, "num_stages": cfg.num_stages or None}
+        self.spec: RunSpec = load_spec(cfg.spec or None, **overrides)
+        self.events = EventLog(cfg.event_log, "coordinator")
+        self.stop_requested = asyncio.Event()
+        self.dht = None
+        self.swarm: SwarmDHT | None = None
+        self.snapshot: dict[str, Any] = {"run_id": self.spec.run_id, "spec": self.spec.to_dict(), "stages": [], "trainers": []}
+        self.history: deque[dict[str, Any]] = deque(maxlen=HISTORY_POINTS)
+        self.recent_events: deque[dict[str, Any]] = deque(maxlen=200)
+        self._known_peers: dict[str, tuple[int, str]] = {}
+        self.http: SwarmHttpServer | None = None
+        self.initial_peers: list[str] = []
+
+    async def run(self) -> int:
+        cfg = self.cfg
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self.stop_requested.set)
+        port = cfg.dht_port or (_saved_port(cfg.identity) if cfg.identity else 0)
+        if cfg.identity:
+            os.makedirs(os.path.dirname(os.path.abspath(cfg.identity)), exist_ok=True)
+        self.dht = await asyncio.to_thread(start_dht, cfg.initial_peers, cfg.host, port, cfg.identity or None,
+                                           cfg.announce_host or None)
+        try:
+            return await self._serve()
+        finally:
+            if self.http is not None:
+                self.http.stop()
+            self.dht.shutdown()
+
+    async def _serve(self) -> int:
+        cfg = self.cfg
+        self.events.peer_id = self.dht.peer_id.to_base58()
+        self.initial_peers = visible_maddrs(self.dht)
+        if cfg.identity:
+            bound = int(self.initial_peers[0].split("/tcp/")[1].split("/")[0])
+            Path(cfg.identity + ".port").write_text(str(bound))
+        self.swarm = SwarmDHT(self.dht, self.spec.run_id)
+        await self._publish()
+        self.http = SwarmHttpServer(self, cfg.host, cfg.http_port)
+        http_port = self.http.start()
+        print(f"initial peers: {' '.join(self.initial_peers)}", flush=True)
+        print(f"dashboard: http://{cfg.announce_host or cfg.host}:{http_port}/", flush=True)
+        if cfg.peers_file:
+            tmp = cfg.peers_file + ".tmp"
+            Path(tmp).write_text("\n".join(self.initial_peers) + "\n")
+            os.replace(tmp, cfg.peers_file)
+        self.events.emit("started", run_id=self.spec.run_id, stages=self.spec.num_stages, http_port=http_port,
+                         initial_peers=self.initial_peers[0])
+        tasks = [asyncio.create_task(self._publish_loop()), asyncio.create_task(self._poll_loop())]
+        await self.stop_requested.wait()
+        for task in tasks:
+            task.cancel()
+        self.events.emit("stopped")
+        return 0
+
+    # ------------------------------------------------------------ publishing
+    async def _publish(self) -> None:
+        ttl = 6 * self.cfg.publish_period
+        await self.swarm.publish_spec(self.spec, ttl=max(ttl, 3600))
+        index = RunIndexRecord(run_id=self.spec.run_id, num_stages=self.spec.num_stages,
+                               coordinator=self.initial_peers[0] if self.initial_peers else "", updated_at=now())
+        await self.swarm.list_in_index(index, ttl=max(ttl, 3600))
+
+    async def _publish_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.cfg.publish_period)
+            try:
+                await self._publish()
+            except Exception as e:
+                log.warning("coordinator publish failed: %s", e)
+
+    # ------------------------------------------------------------ observing
+    async def _poll_loop(self) -> None:
+        while True:
+            try:
+                await self.poll()
+            except Exception as e:
+                log.warning("coordinator poll failed: %s", e)
+            await asyncio.sleep(POLL_PERIOD_S)
+
+    async def poll(self) -> None:
+        stages = await self.swarm.all_stages(self.spec.num_stages)
+        trainers = await self.swarm.trainers()
+        seen: dict[str, tuple[int, str]] = {}
+        stage_rows = []
+        for index, peers in enumerate(stages):
+            rows = []
+            for peer_id, r in sorted(peers.items()):
+                rows.append({"peer_id": peer_id, "address": r.address, "state": r.state, "throughput": r.throughput,
+                             "queue": r.queue, "version": r.version, "updated_at": r.updated_at,
+                             "metrics_address": r.metrics_address})
+                seen[peer_id] = (index, r.state)
+            live = [p for p in rows if p["state"] != "draining"]
+            stage_rows.append({"index": index, "peers": rows, "throughput": sum(p["throughput"] for p in live),
+                               "max_version": max((p["version"] for p in rows), default=0)})
+        self._diff_membership(seen)
+        trainer_rows = [{"peer_id": pid, "step": t.step, "loss": t.loss, "samples_per_s": t.samples_per_s,
+                         "microbatches_completed": t.microbatches_completed, "microbatches_retried": t.microbatches_retried,
+                         "microbatches_lost": t.microbatches_lost, "updated_at": t.updated_at}
+                        for pid, t in sorted(trainers.items())]
+        self.snapshot = {"run_id": self.spec.run_id, "spec": self.spec.to_dict(), "stages": stage_rows,
+                         "trainers": trainer_rows, "coordinator": {"peer_id": self.events.peer_id,
+                                                                   "initial_peers": self.initial_peers},
+                         "updated_at": time.time()}
+        losses = [t["loss"] for t in trainer_rows if t["loss"] is not None]
+        self.history.append({"time": time.time(), "loss": sum(losses) / len(losses) if losses else None,
+                             "samples_per_s": sum(t["samples_per_s"] for t in trainer_rows),
+                             "step": max((t["step"] for t in trainer_rows), default=0)})
+
+    def _diff_membership(self, seen: dict[str, tuple[int, str]]) -> None:
+        for peer_id, (stage, state) in seen.items():
+            before = self._known_peers.get(peer_id)
+            if before is None:
+                self._event("peer_joined", peer=peer_id, stage=stage, state=state)
+            elif before != (stage, state):
+                self._event("peer_changed", peer=peer_id, stage=stage, state=state)
+        for peer_id, (stage, _) in self._known_peers.items():
+            if peer_id not in seen:
+                self._event("peer_gone", peer=peer_id, stage=stage)
+        self._known_peers = seen
+
+    def _event(self, kind: str, **fields: Any) -> None:
+        self.events.emit(kind, **fields)
+        self.recent_events.append({"time": time.time(), "kind": kind, **fields})

@@ -1,0 +1,44 @@
+"""Which stage a peer should serve: the one with the least total throughput."""
+from __future__ import annotations
+
+import random
+
+from peer.records import StageRecord
+
+NEW_PEER_THROUGHPUT = 1.0  # a replica that has not measured yet still counts for something
+
+
+def stage_throughputs(stages: list[dict[str, StageRecord]], exclude: str = "") -> list[float]:
+    totals = []
+    for peers in stages:
+        live = [r for pid, r in peers.items() if r.state != "draining" and pid != exclude]
+        totals.append(sum(r.throughput if r.throughput > 0 else NEW_PEER_THROUGHPUT for r in live))
+    return totals
+
+
+def choose_stage(stages: list[dict[str, StageRecord]], rng: random.Random | None = None) -> int:
+    """Empty stages first, then the least total throughput; ties broken at random so
+    peers that join together spread out instead of piling onto stage 0."""
+    rng = rng or random.Random()
+    totals = stage_throughputs(stages)
+    best = min(totals)
+    candidates = [s for s, t in enumerate(totals) if t <= best * 1.05 + 1e-9]
+    return rng.choice(candidates)
+
+
+def rebalance_target(stages: list[dict[str, StageRecord]], my_stage: int, my_peer_id: str,
+                     my_throughput: float, margin: float = 1.25) -> int | None:
+    """Stage to move to, or None. Moving must raise the slowest stage by ``margin`` (hysteresis)
+    and must not make the stage we leave the new bottleneck, so peers do not flap."""
+    totals = stage_throughputs(stages)
+    if len(stages[my_stage]) < 2:
+        return None  # never leave a stage without a replica
+    slowest = min(range(len(totals)), key=totals.__getitem__)
+    if slowest == my_stage:
+        return None
+    after = list(totals)
+    after[my_stage] -= my_throughput
+    after[slowest] += my_throughput
+    if min(after) >= margin * totals[slowest]:
+        return slowest
+    return None

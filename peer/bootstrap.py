@@ -1,0 +1,39 @@
+"""Where a participant finds the swarm, and which run it joins when none is named."""
+from __future__ import annotations
+
+from importlib import resources
+
+from peer.records import RunIndexRecord, StageRecord
+
+
+def bootstrap_peers(swarm: str) -> list[str]:
+    """The shipped bootstrap list of a named swarm (``peer/bootstrap/<swarm>.txt``)."""
+    try:
+        text = resources.files("peer").joinpath("bootstrap", f"{swarm}.txt").read_text()
+    except (FileNotFoundError, OSError):
+        raise ValueError(f"no bootstrap list is shipped for swarm {swarm!r}; pass --initial-peers") from None
+    return [line.strip() for line in text.splitlines() if line.strip() and not line.lstrip().startswith("#")]
+
+
+def resolve_initial_peers(initial_peers: list[str], swarm: str) -> list[str]:
+    peers = list(initial_peers) or bootstrap_peers(swarm)
+    if not peers:
+        raise ValueError(
+            f"the bootstrap list of swarm {swarm!r} is empty: pass --initial-peers MADDR "
+            "(or set SWARMPIPE_INITIAL_PEERS) with the line the coordinator printed"
+        )
+    return peers
+
+
+def neediest_run(runs: dict[str, RunIndexRecord], stages_of: dict[str, list[dict[str, StageRecord]]]) -> str:
+    """The run whose thinnest stage has the fewest live peers (then the least throughput)."""
+    if not runs:
+        raise LookupError("the swarm index lists no runs; pass --run-id or wait for a coordinator")
+
+    def need(run_id: str) -> tuple[int, float, str]:
+        stages = stages_of.get(run_id) or [{} for _ in range(runs[run_id].num_stages)]
+        live = [[r for r in s.values() if r.state != "draining"] for s in stages]
+        thinnest = min(live, key=len)
+        return len(thinnest), sum(r.throughput for r in thinnest), run_id
+
+    return min(runs, key=need)

@@ -1,0 +1,67 @@
+"""gRPC channel and server options in one place, and a pool of reusable channels."""
+from __future__ import annotations
+
+import grpc
+
+from protos import swarm_pb2_grpc
+
+MB = 1024 * 1024
+
+
+def message_options(max_message_mb: int) -> list[tuple[str, int]]:
+    limit = max_message_mb * MB
+    return [
+        ("grpc.max_send_message_length", limit),
+        ("grpc.max_receive_message_length", limit),
+        # Big initial windows: activations are MBs, default BDP probing ramps up too slowly.
+        ("grpc.http2.bdp_probe", 1),
+        ("grpc.http2.lookahead_bytes", 8 * MB),
+    ]
+
+
+def server_options(max_message_mb: int) -> list[tuple[str, int]]:
+    return message_options(max_message_mb) + [
+        ("grpc.so_reuseport", 0),  # port 0 must really mean a fresh port
+        ("grpc.keepalive_time_ms", 20_000),
+        ("grpc.keepalive_timeout_ms", 10_000),
+        ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
+        ("grpc.keepalive_permit_without_calls", 1),
+    ]
+
+
+def channel_options(max_message_mb: int) -> list[tuple[str, int]]:
+    return message_options(max_message_mb) + [
+        # Detect a silently vanished peer (SIGSTOP, partition) within ~15 s even mid-call.
+        ("grpc.keepalive_time_ms", 10_000),
+        ("grpc.keepalive_timeout_ms", 5_000),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.max_pings_without_data", 0),
+        # Fail fast when a peer is gone instead of backing off for minutes.
+        ("grpc.initial_reconnect_backoff_ms", 200),
+        ("grpc.max_reconnect_backoff_ms", 2_000),
+        ("grpc.enable_retries", 0),
+    ]
+
+
+class ChannelPool:
+    """One long-lived grpc.aio channel per peer address, shared by all calls to it."""
+
+    def __init__(self, max_message_mb: int):
+        self.max_message_mb = max_message_mb
+        self._channels: dict[str, grpc.aio.Channel] = {}
+
+    def stub(self, address: str) -> swarm_pb2_grpc.StageStub:
+        channel = self._channels.get(address)
+        if channel is None:
+            channel = grpc.aio.insecure_channel(address, options=channel_options(self.max_message_mb))
+            self._channels[address] = channel
+        return swarm_pb2_grpc.StageStub(channel)
+
+    async def drop(self, address: str) -> None:
+        channel = self._channels.pop(address, None)
+        if channel is not None:
+            await channel.close(grace=None)
+
+    async def close(self) -> None:
+        for address in list(self._channels):
+            await self.drop(address)

@@ -1,0 +1,98 @@
+"""Configuration of each role: one dataclass per command, shared by CLI, files, env and tests.
+
+Every field becomes a flag ``--field-name`` and reads ``SWARMPIPE_FIELD_NAME``;
+see :mod:`peer.cli_args` for precedence (flag > environment > config file > default).
+Field metadata ``help`` documents the flag.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+def opt(default, help: str, **extra):  # noqa: A002 - "help" mirrors argparse
+    if isinstance(default, list):
+        return field(default_factory=lambda: list(default), metadata={"help": help, **extra})
+    return field(default=default, metadata={"help": help, **extra})
+
+
+@dataclass
+class CommonConfig:
+    initial_peers: list[str] = opt([], "multiaddrs of DHT peers to join (default: the --swarm bootstrap list)")
+    swarm: str = opt("public", "named swarm whose shipped bootstrap list to use when --initial-peers is empty")
+    run_id: str = opt("", "run to join (default: the run that most needs peers)")
+    host: str = opt("127.0.0.1", "interface to bind servers to")
+    announce_host: str = opt("", "address other peers should dial (default: --host)")
+    log_level: str = opt("INFO", "logging level")
+    event_log: str = opt("", "append JSON-lines events to this file")
+    threads: int = opt(1, "torch threads for this process")
+
+
+@dataclass
+class PeerConfig(CommonConfig):
+    stage: int = opt(-1, "stage to serve (default: the stage with the least total throughput)")
+    port: int = opt(0, "gRPC port (0 picks a free one)")
+    dht_port: int = opt(0, "DHT port (0 picks a free one)")
+    metrics_port: int = opt(-1, "Prometheus /metrics port (-1 disables, 0 picks a free one)")
+    announce_period: float = opt(5.0, "seconds between DHT announcements (records expire after 3 periods)")
+    drain_timeout: float = opt(20.0, "seconds to finish in-flight work on SIGTERM")
+    ready_file: str = opt("", "write a JSON line with the peer's address and stage once it serves")
+    spec_timeout: float = opt(120.0, "seconds to wait for the run spec in the DHT")
+    rebalance_period: float = opt(0.0, "mean seconds between rebalancing checks (0 disables)")
+    state_download: bool = opt(True, "download the stage's state from replicas or a checkpoint when joining")
+
+
+@dataclass
+class TrainerConfig(CommonConfig):
+    steps: int = opt(200, "micro-batches to complete")
+    in_flight: int = opt(0, "micro-batches in flight (0: two per stage)")
+    data: str = opt("", "text file or folder to train on (default: the Python standard library's source)")
+    report: str = opt("", "write a JSON report here at the end")
+    seed: int = opt(1, "data sampling seed")
+    call_timeout: float = opt(30.0, "deadline for each stage call, seconds")
+    wait_timeout: float = opt(600.0, "give up when a stage has had no live replica this long")
+    progress: bool = opt(True, "show a progress bar")
+    announce_period: float = opt(5.0, "seconds between trainer progress records in the DHT")
+    spec_timeout: float = opt(120.0, "seconds to wait for the run spec in the DHT")
+
+
+@dataclass
+class CoordinatorConfig(CommonConfig):
+    spec: str = opt("", "TOML run spec (default: built-in)")
+    num_stages: int = opt(0, "override the spec's number of stages")
+    dht_port: int = opt(0, "DHT port (0: the port saved next to the identity, else a free one)")
+    http_port: int = opt(8080, "HTTP port for the dashboard and /api/swarm (0 picks a free one)")
+    identity: str = opt("", "private key file: the same multiaddr after a restart")
+    checkpoint_dir: str = opt("", "where checkpoints live (default: none kept)")
+    peers_file: str = opt("", "write the initial peers multiaddrs here")
+    checkpoint_every: float = opt(30.0, "seconds between checkpoint pulls (0 disables)")
+    publish_period: float = opt(10.0, "seconds between spec / index re-publications")
+
+
+@dataclass
+class DemoConfig:
+    num_stages: int = opt(2, "pipeline stages")
+    replicas: int = opt(1, "peers per stage")
+    steps: int = opt(500, "micro-batches to train")
+    workdir: str = opt("", "folder for logs and reports (default: runs/demo-<time>)")
+    spec: str = opt("", "TOML run spec (default: built-in)")
+    http_port: int = opt(0, "coordinator HTTP port (0 picks a free one)")
+    data: str = opt("", "text file or folder to train on")
+    log_level: str = opt("INFO", "logging level")
+
+
+@dataclass
+class StatusConfig:
+    initial_peers: list[str] = opt([], "multiaddrs of DHT peers to read from")
+    swarm: str = opt("public", "named swarm whose bootstrap list to use")
+    run_id: str = opt("", "run to show (default: every run in the swarm index)")
+    coordinator: str = opt("", "read from a coordinator's HTTP API instead (http://host:port)")
+    json: bool = opt(False, "print JSON instead of a table")
+    log_level: str = opt("WARNING", "logging level")
+
+
+@dataclass
+class HealthcheckConfig:
+    address: str = opt("", "gRPC address of a peer (host:port) to ask for Info")
+    url: str = opt("", "HTTP URL that must answer 200 (e.g. a coordinator's /api/swarm)")
+    timeout: float = opt(5.0, "seconds")
+    log_level: str = opt("WARNING", "logging level")

@@ -1,0 +1,114 @@
+"""Start swarmpipe roles as real subprocesses and stop them for sure (demo and tests).
+
+Each role runs as ``python -m peer.cli <role> ...`` in its own process group
+with its output in a log file; :class:`ProcessGroup` kills everything it
+started, also when the caller is interrupted.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+
+@dataclass
+class Launched:
+    name: str
+    proc: subprocess.Popen
+    log_path: Path
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def signal(self, sig: int) -> None:
+        if self.alive():
+            os.kill(self.proc.pid, sig)
+
+    def log_text(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")
+        except OSError:
+            return ""
+
+
+@dataclass
+class ProcessGroup:
+    workdir: Path
+    env: dict[str, str] = field(default_factory=dict)
+    procs: list[Launched] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.workdir = Path(self.workdir)
+        self.workdir.mkdir(parents=True, exist_ok=True)
+
+    def start(self, name: str, role: str, *args: str, extra_env: dict[str, str] | None = None) -> Launched:
+        log_path = self.workdir / f"{name}.log"
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **self.env, **(extra_env or {})}
+        with open(log_path, "ab") as log:
+            proc = subprocess.Popen([sys.executable, "-m", "peer.cli", role, *args], stdout=log, stderr=subprocess.STDOUT,
+                                    stdin=subprocess.DEVNULL, env=env, start_new_session=True)
+        launched = Launched(name, proc, log_path)
+        self.procs.append(launched)
+        return launched
+
+    def stop_all(self, grace: float = 10.0) -> None:
+        """SIGTERM everything, wait up to ``grace``, then SIGKILL the whole process groups."""
+        for p in self.procs:
+            p.signal(signal.SIGCONT)  # a stopped process cannot handle SIGTERM
+            p.signal(signal.SIGTERM)
+        deadline = time.monotonic() + grace
+        for p in self.procs:
+            try:
+                p.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+        for p in self.procs:
+            try:
+                os.killpg(p.proc.pid, signal.SIGKILL)  # children too (hivemind's DHT process, p2pd)
+            except (ProcessLookupError, PermissionError):
+                pass
+            try:
+                p.proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                pass
+
+    def __enter__(self) -> "ProcessGroup":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop_all()
+
+
+def wait_for(predicate: Callable[[], object], timeout: float, what: str, poll: float = 0.2,
+             procs: list[Launched] = ()) -> object:
+    """Poll until ``predicate()`` is truthy; fail early (with the log tail) if a process died."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        for p in procs:
+            if not p.alive():
+                raise RuntimeError(f"{p.name} exited with {p.proc.returncode} while waiting for {what}:\n{p.log_text()[-3000:]}")
+        time.sleep(poll)
+    raise TimeoutError(f"timed out after {timeout:.0f}s waiting for {what}")
+
+
+def read_json(path: Path) -> dict | None:
+    try:
+        return json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def coordinator_http_url(launched: Launched) -> str | None:
+    for line in launched.log_text().splitlines():
+        if line.startswith("dashboard: "):
+            return line.split("dashboard: ", 1)[1].strip().rstrip("/")
+    return None

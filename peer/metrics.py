@@ -1,0 +1,34 @@
+"""Prometheus metrics of one peer (served on ``--metrics-port``)."""
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+DELAY_BUCKETS = (0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
+
+
+class PeerMetrics:
+    def __init__(self, registry: CollectorRegistry | None = None):
+        self.registry = registry or CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("swarmpipe_requests_total", "RPCs served", ["method"], registry=r)
+        self.errors = Counter("swarmpipe_errors_total", "RPCs rejected or failed", ["method", "kind"], registry=r)
+        self.bytes_in = Counter("swarmpipe_received_bytes_total", "Tensor payload bytes received", ["codec"], registry=r)
+        self.bytes_out = Counter("swarmpipe_sent_bytes_total", "Tensor payload bytes sent", ["codec"], registry=r)
+        self.queue = Gauge("swarmpipe_queue_depth", "Requests waiting for compute", registry=r)
+        self.latency = Histogram(
+            "swarmpipe_compute_seconds", "Compute time per call", ["method"], buckets=LATENCY_BUCKETS, registry=r
+        )
+        self.delay = Histogram(
+            "swarmpipe_gradient_delay_steps", "Local updates between a micro-batch's forward and backward",
+            buckets=DELAY_BUCKETS, registry=r,
+        )
+        self.optimizer_steps = Counter("swarmpipe_optimizer_steps_total", "Local optimizer steps", registry=r)
+        self.dropped = Counter("swarmpipe_dropped_gradients_total", "Gradients not applied", ["reason"], registry=r)
+        self.version = Gauge("swarmpipe_weight_version", "Local weight version", registry=r)
+        self.throughput = Gauge("swarmpipe_throughput_microbatches_per_second", "Measured compute throughput", registry=r)
+
+    def serve(self, port: int, host: str = "0.0.0.0") -> int:
+        """Start the /metrics endpoint; returns the bound port (port 0 picks a free one)."""
+        server, _thread = start_http_server(port, addr=host, registry=self.registry)
+        return int(server.server_port)

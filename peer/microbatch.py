@@ -1,0 +1,188 @@
+"""One micro-batch's journey: forwards through every stage, loss, backwards, with retries.
+
+The trainer keeps each stage's input until that stage acknowledged the
+backward, so any step can be redone on another replica:
+  * a failed Forward / ForwardBackward is retried on another replica;
+  * a failed Backward (peer gone, record expired, draining) is replayed on a
+    live replica from the kept input and output gradient (``replay=True``).
+A micro-batch ends ``completed`` (stage 0 acknowledged its backward),
+``dropped_stale`` (a stage refused the gradient as too old), or ``failed``
+(a stage had no live replica for ``wait_timeout``).
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Awaitable, Callable
+
+import grpc
+import torch
+
+from peer.channels import ChannelPool
+from peer.events import EventLog, short_id
+from peer.routing import PeerView, Router
+from peer.spec import RunSpec
+from peer.wire import WireError, decode, encode
+from protos import swarm_pb2
+
+log = logging.getLogger("swarmpipe.trainer")
+
+# Errors that say "this request is wrong", not "this peer is unwell": do not ban for them.
+CALLER_ERRORS = (grpc.StatusCode.INVALID_ARGUMENT,)
+WAIT_LOG_PERIOD_S = 10.0
+
+
+class NoReplica(RuntimeError):
+    pass
+
+
+class MicrobatchRunner:
+    def __init__(self, spec: RunSpec, router: Router, progress, events: EventLog, call_timeout: float,
+                 wait_timeout: float, refresh: Callable[[], Awaitable[None]]):
+        self.spec = spec
+        self.router = router
+        self.progress = progress
+        self.events = events
+        self.call_timeout = call_timeout
+        self.wait_timeout = wait_timeout
+        self.refresh = refresh
+        self.pool = ChannelPool(spec.limits.max_message_mb)
+        self.act_codec = spec.compression.activations
+        self.grad_codec = spec.compression.gradients
+        self._waiting_since: dict[int, float] = {}
+
+    async def close(self) -> None:
+        await self.pool.close()
+
+    # ------------------------------------------------------------ the journey
+    async def run(self, mb_id: str, tokens: torch.Tensor, targets: torch.Tensor) -> None:
+        P = self.spec.num_stages
+        inputs: list[torch.Tensor] = [tokens]
+        peers: list[PeerView] = []
+        try:
+            for stage in range(P - 1):
+                out, view = await self._with_retries(stage, lambda v, s=stage: self._forward(v, s, mb_id, inputs[s]))
+                inputs.append(out)
+                peers.append(view)
+            (loss, grad, dropped), _ = await self._with_retries(
+                P - 1, lambda v: self._forward_backward(v, P - 1, mb_id, inputs[P - 1], targets))
+            stale = dropped
+            for stage in range(P - 2, -1, -1):
+                grad, dropped = await self._backward(stage, mb_id, peers[stage], inputs[stage], grad)
+                stale = stale or dropped
+        except NoReplica as e:
+            self.progress.failed += 1
+            self.events.emit("microbatch_failed", level=logging.ERROR, microbatch=mb_id, reason=str(e))
+            return
+        if stale:
+            self.progress.dropped_stale += 1
+        else:
+            self.progress.completed += 1
+        self.progress.losses.append(loss)
+
+    async def _backward(self, stage: int, mb_id: str, view: PeerView, inputs: torch.Tensor,
+                        grad: torch.Tensor) -> tuple[torch.Tensor | None, bool]:
+        try:
+            self.router.started(view)
+            result = await self._timed(view, self._backward_call(view, stage, mb_id, grad, None))
+            return result
+        except (grpc.aio.AioRpcError, asyncio.TimeoutError, WireError) as e:
+            reason = _reason(e)
+            self.router.failed(view, ban=_should_ban(e))
+            self.progress.retried += 1
+            self.events.emit("replay", level=logging.WARNING, stage=stage, microbatch=mb_id,
+                             peer=short_id(view.peer_id), reason=reason)
+        (grad_in, dropped), _ = await self._with_retries(stage, lambda v: self._backward_call(v, stage, mb_id, grad, inputs))
+        return grad_in, dropped
+
+    # ------------------------------------------------------------ retries
+    async def _with_retries(self, stage: int, call):
+        """Run ``call(view)`` on the best replica; on failure, ban and try another; wait when none is alive."""
+        tried: set[str] = set()
+        first_attempt = True
+        while True:
+            view = self.router.choose(stage, exclude=tried) or self.router.choose(stage)
+            if view is None:
+                await self._wait_for_replica(stage)
+                tried.clear()
+                continue
+            self._waiting_since.pop(stage, None)
+            if not first_attempt:
+                self.progress.retried += 1
+            first_attempt = False
+            self.router.started(view)
+            try:
+                return await self._timed(view, call(view)), view
+            except (grpc.aio.AioRpcError, asyncio.TimeoutError, WireError) as e:
+                ban = self.router.failed(view, ban=_should_ban(e))
+                tried.add(view.peer_id)
+                self.events.emit("call_failed", level=logging.WARNING, stage=stage, peer=short_id(view.peer_id),
+                                 reason=_reason(e), banned_s=round(ban, 1))
+                if isinstance(e, grpc.aio.AioRpcError) and e.code() in CALLER_ERRORS:
+                    raise  # our own request is malformed: retrying elsewhere cannot help
+
+    async def _timed(self, view: PeerView, awaitable):
+        started = time.monotonic()
+        result = await asyncio.wait_for(awaitable, self.call_timeout)
+        self.router.succeeded(view, time.monotonic() - started)
+        return result
+
+    async def _wait_for_replica(self, stage: int) -> None:
+        t = time.monotonic()
+        since = self._waiting_since.setdefault(stage, t)
+        if t - since > self.wait_timeout:
+            raise NoReplica(f"stage {stage} has had no live replica for {self.wait_timeout:.0f}s")
+        if int(t - since) % WAIT_LOG_PERIOD_S < 1.0:
+            self.events.emit("waiting_for_replica", level=logging.WARNING, stage=stage, waited_s=round(t - since))
+        await self.refresh()
+        await asyncio.sleep(1.0)
+
+    # ------------------------------------------------------------ calls
+    async def _forward(self, view: PeerView, stage: int, mb_id: str, x: torch.Tensor) -> torch.Tensor:
+        request = swarm_pb2.ForwardRequest(run_id=self.spec.run_id, stage=stage, microbatch_id=mb_id,
+                                           input=encode(x, self.act_codec))
+        response = await self.pool.stub(view.address).Forward(request, timeout=self.call_timeout)
+        return decode(response.output, max_elements=self.spec.limits.max_tensor_elements,
+                      expect_shape=(x.shape[0], x.shape[1], self.spec.model.d_model), what="forward output").float()
+
+    async def _forward_backward(self, view: PeerView, stage: int, mb_id: str, x: torch.Tensor, targets: torch.Tensor):
+        request = swarm_pb2.ForwardBackwardRequest(run_id=self.spec.run_id, stage=stage, microbatch_id=mb_id,
+                                                   input=encode(x, self.act_codec), targets=encode(targets))
+        response = await self.pool.stub(view.address).ForwardBackward(request, timeout=self.call_timeout)
+        if not torch.isfinite(torch.tensor(response.loss)):
+            raise WireError(f"stage {stage} returned a non-finite loss")
+        grad = None
+        if stage > 0:
+            grad = decode(response.grad_input, max_elements=self.spec.limits.max_tensor_elements,
+                          expect_shape=tuple(x.shape), what="grad_input").float()
+        return response.loss, grad, not response.applied
+
+    async def _backward_call(self, view: PeerView, stage: int, mb_id: str, grad: torch.Tensor,
+                             replay_input: torch.Tensor | None):
+        request = swarm_pb2.BackwardRequest(run_id=self.spec.run_id, stage=stage, microbatch_id=mb_id,
+                                            grad_output=encode(grad, self.grad_codec))
+        if replay_input is not None:
+            request.input.CopyFrom(encode(replay_input, self.act_codec))
+            request.replay = True
+        response = await self.pool.stub(view.address).Backward(request, timeout=self.call_timeout)
+        grad_in = None
+        if stage > 0:
+            grad_in = decode(response.grad_input, max_elements=self.spec.limits.max_tensor_elements,
+                             expect_shape=(grad.shape[0], grad.shape[1], self.spec.model.d_model),
+                             what="grad_input").float()
+        return grad_in, not response.applied
+
+
+def _should_ban(e: Exception) -> bool:
+    if isinstance(e, grpc.aio.AioRpcError):
+        return e.code() not in CALLER_ERRORS + (grpc.StatusCode.NOT_FOUND,)
+    return True
+
+
+def _reason(e: Exception) -> str:
+    if isinstance(e, grpc.aio.AioRpcError):
+        return f"{e.code().name}: {e.details()}"
+    if isinstance(e, asyncio.TimeoutError):
+        return "deadline exceeded"
+    return str(e)

@@ -1,0 +1,135 @@
+"""The volunteer peer: join the DHT, pick a stage, serve it, announce it, drain on SIGTERM."""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import signal
+
+import torch
+
+from peer.balance import choose_stage
+from peer.bootstrap import neediest_run, resolve_initial_peers
+from peer.config import PeerConfig
+from peer.events import EventLog
+from peer.metrics import PeerMetrics
+from peer.records import StageRecord, now
+from peer.stage_runtime import StageRuntime
+from peer.stage_server import StageServicer, start_server
+from peer.swarm_dht import SwarmDHT, start_dht
+
+log = logging.getLogger("swarmpipe.peer")
+
+
+class PeerDaemon:
+    def __init__(self, cfg: PeerConfig):
+        self.cfg = cfg
+        self.stop_requested = asyncio.Event()
+        self.events = EventLog(cfg.event_log, "peer")
+        self.dht = None
+        self.swarm: SwarmDHT | None = None
+        self.servicer: StageServicer | None = None
+        self.server = None
+        self.address = ""
+        self.metrics_address = ""
+
+    # ------------------------------------------------------------ lifecycle
+    async def run(self) -> int:
+        cfg = self.cfg
+        torch.set_num_threads(max(1, cfg.threads))
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self.stop_requested.set)
+        initial = resolve_initial_peers(cfg.initial_peers, cfg.swarm)
+        self.dht = await asyncio.to_thread(start_dht, initial, cfg.host, cfg.dht_port, None, cfg.announce_host or None)
+        try:
+            return await self._serve()
+        finally:
+            if self.server is not None:
+                await self.server.stop(grace=1.0)
+            if self.servicer is not None:
+                self.servicer.executor.shutdown(wait=False, cancel_futures=True)
+            self.dht.shutdown()
+
+    async def _serve(self) -> int:
+        cfg = self.cfg
+        peer_id = self.dht.peer_id.to_base58()
+        self.events.peer_id = peer_id
+        run_id = cfg.run_id or await self._pick_run()
+        self.swarm = SwarmDHT(self.dht, run_id)
+        spec = await self.swarm.wait_for_spec(cfg.spec_timeout)
+        stage = cfg.stage if cfg.stage >= 0 else choose_stage(await self.swarm.all_stages(spec.num_stages))
+        if stage >= spec.num_stages:
+            raise ValueError(f"--stage {stage} does not exist: run {run_id!r} has {spec.num_stages} stages")
+        self.events.emit("joining", run_id=run_id, stage=stage)
+        runtime = StageRuntime(spec, stage)
+        metrics = PeerMetrics()
+        self.servicer = StageServicer(runtime, peer_id, metrics)
+        self.server, port = await start_server(self.servicer, cfg.host, cfg.port)
+        self.address = f"{cfg.announce_host or cfg.host}:{port}"
+        if cfg.metrics_port >= 0:
+            self.metrics_address = f"{cfg.announce_host or cfg.host}:{metrics.serve(cfg.metrics_port, cfg.host)}"
+        await self._announce()  # visible as "joining" while state arrives
+        self.servicer.state = "online"
+        await self._announce()
+        self.events.emit("online", stage=stage, address=self.address, metrics=self.metrics_address or "-")
+        self._write_ready(run_id, stage, peer_id)
+        announcer = asyncio.create_task(self._announce_loop())
+        await self.stop_requested.wait()
+        await self._drain()
+        announcer.cancel()
+        self.events.emit("stopped", stage=stage, version=runtime.version, steps=runtime.stats.steps)
+        return 0
+
+    async def _pick_run(self) -> str:
+        probe = SwarmDHT(self.dht, "")
+        runs = await probe.runs()
+        stages_of = {}
+        for run_id, record in runs.items():
+            stages_of[run_id] = await SwarmDHT(self.dht, run_id).all_stages(record.num_stages)
+        chosen = neediest_run(runs, stages_of)
+        self.events.emit("run_chosen", run_id=chosen, candidates=len(runs))
+        return chosen
+
+    async def _drain(self) -> None:
+        """Refuse new work, finish what we hold (bounded by --drain-timeout), say goodbye."""
+        servicer = self.servicer
+        servicer.state = "draining"
+        self.events.emit("draining", pending=len(servicer.runtime.pending), timeout=self.cfg.drain_timeout)
+        await self._announce()
+        deadline = asyncio.get_running_loop().time() + self.cfg.drain_timeout
+        while (servicer.runtime.pending or servicer.in_flight) and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.1)
+        self.events.emit("drained", unfinished=len(servicer.runtime.pending), version=servicer.runtime.version)
+
+    # ------------------------------------------------------------ announcing
+    def record(self) -> StageRecord:
+        s = self.servicer
+        return StageRecord(address=self.address, state=s.state, throughput=s.runtime.throughput(), queue=s.queue,
+                           version=s.runtime.version, updated_at=now(), metrics_address=self.metrics_address)
+
+    async def _announce(self) -> None:
+        await self.swarm.announce_stage(self.servicer.runtime.stage, self.record(), ttl=3 * self.cfg.announce_period)
+
+    async def _announce_loop(self) -> None:
+        rounds = 0
+        while True:
+            await asyncio.sleep(self.cfg.announce_period)
+            rounds += 1
+            try:
+                await self._announce()
+                if rounds % 10 == 0:  # keep the spec alive while the coordinator is down
+                    await self.swarm.publish_spec(self.servicer.spec, ttl=3600)
+            except Exception as e:  # the DHT hiccups; the next period tries again
+                log.warning("peer %s announce failed: %s", self.events.peer_id[-6:], e)
+
+    def _write_ready(self, run_id: str, stage: int, peer_id: str) -> None:
+        if not self.cfg.ready_file:
+            return
+        info = {"peer_id": peer_id, "address": self.address, "stage": stage, "run_id": run_id,
+                "metrics_address": self.metrics_address, "pid": os.getpid()}
+        tmp = self.cfg.ready_file + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(info, f)
+        os.replace(tmp, self.cfg.ready_file)

@@ -1,0 +1,105 @@
+"""DHT records: typed, validated on write and on read.
+
+Keys (values expire; the subkey is the owner's peer id):
+  ``{run_id}.spec``                    -> the run spec (dict)
+  ``{run_id}.stage.{s}`` / peer id     -> :class:`StageRecord`
+  ``{run_id}.trainer`` / peer id       -> :class:`TrainerRecord`
+  ``{run_id}.checkpoint``              -> :class:`CheckpointRecord`
+  ``swarmpipe.runs`` / run id          -> :class:`RunIndexRecord` (swarm-wide index of runs)
+A record that fails validation is skipped with a warning, never trusted.
+"""
+from __future__ import annotations
+
+import logging
+import re
+import time
+from typing import Any, Literal, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+log = logging.getLogger("swarmpipe.records")
+
+RUNS_INDEX_KEY = "swarmpipe.runs"
+_ADDRESS = re.compile(r"^[A-Za-z0-9_.:\-\[\]]{1,255}:\d{1,5}$")
+
+
+class Record(BaseModel):
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+
+class StageRecord(Record):
+    address: str = Field(pattern=_ADDRESS.pattern)
+    state: Literal["joining", "online", "draining"]
+    throughput: float = Field(ge=0, le=1e9)
+    queue: int = Field(ge=0, le=1_000_000)
+    version: int = Field(ge=0)
+    updated_at: float
+    metrics_address: str = ""
+
+
+class TrainerRecord(Record):
+    step: int = Field(ge=0)
+    loss: float | None = None
+    samples_per_s: float = Field(ge=0)
+    microbatches_completed: int = Field(ge=0, default=0)
+    microbatches_retried: int = Field(ge=0, default=0)
+    microbatches_lost: int = Field(ge=0, default=0)
+    updated_at: float
+
+
+class CheckpointRecord(Record):
+    step: int = Field(ge=0)
+    versions: list[int]
+    digests: list[str]
+    created_at: float
+    url: str = ""
+
+
+class RunIndexRecord(Record):
+    run_id: str
+    num_stages: int = Field(ge=1)
+    coordinator: str = ""
+    updated_at: float
+
+
+def stage_key(run_id: str, stage: int) -> str:
+    return f"{run_id}.stage.{stage}"
+
+
+def spec_key(run_id: str) -> str:
+    return f"{run_id}.spec"
+
+
+def trainer_key(run_id: str) -> str:
+    return f"{run_id}.trainer"
+
+
+def checkpoint_key(run_id: str) -> str:
+    return f"{run_id}.checkpoint"
+
+
+R = TypeVar("R", bound=Record)
+
+
+def parse_record(cls: type[R], raw: Any, where: str = "") -> R | None:
+    try:
+        return cls.model_validate(raw)
+    except (ValidationError, TypeError) as e:
+        log.warning("ignoring malformed %s record %s: %s", cls.__name__, where, str(e).splitlines()[0])
+        return None
+
+
+def parse_subkeyed(cls: type[R], found: Any) -> dict[str, R]:
+    """The dict that ``dht.get(key, latest=True)`` returns for a subkeyed key -> {peer id: record}."""
+    out: dict[str, R] = {}
+    if found is None or not isinstance(found.value, dict):
+        return out
+    for subkey, item in found.value.items():
+        record = parse_record(cls, getattr(item, "value", None), f"{cls.__name__}/{subkey}")
+        if record is not None and isinstance(subkey, str):
+            out[subkey] = record
+    return out
+
+
+def now() -> float:
+    return time.time()

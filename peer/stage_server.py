@@ -1,0 +1,226 @@
+"""gRPC service ``Stage``: validates every request, then runs it on the compute thread.
+
+Error contract (status code: when):
+  INVALID_ARGUMENT   wrong run id or stage, bad tensor (dtype, shape, bytes, NaN/Inf)
+  NOT_FOUND          backward for a micro-batch this peer holds no forward for
+  UNAVAILABLE        the peer is draining or not ready: retry on another replica
+  RESOURCE_EXHAUSTED message over the size cap (enforced by grpc itself)
+The peer keeps serving after any of them.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable
+
+import grpc
+import torch
+
+from peer.channels import server_options
+from peer.metrics import PeerMetrics
+from peer.stage_runtime import BackwardResult, StageRuntime, UnknownMicrobatch
+from peer.wire import WireError, decode, encode, is_empty
+from protos import swarm_pb2, swarm_pb2_grpc
+
+log = logging.getLogger("swarmpipe.server")
+MAX_MICROBATCH_ID = 128
+
+
+class RequestError(Exception):
+    def __init__(self, code: grpc.StatusCode, message: str):
+        super().__init__(message)
+        self.code = code
+
+
+class StageServicer(swarm_pb2_grpc.StageServicer):
+    def __init__(self, runtime: StageRuntime, peer_id: str, metrics: PeerMetrics | None = None):
+        self.runtime = runtime
+        self.spec = runtime.spec
+        self.peer_id = peer_id
+        self.metrics = metrics or PeerMetrics()
+        self.state = "joining"
+        self.queue = 0
+        self.in_flight = 0
+        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="compute")
+        self._reported_version = runtime.version
+        self.state_provider: Callable[[swarm_pb2.DownloadStateRequest], Any] | None = None
+
+    # ------------------------------------------------------------ validation
+    def _check_header(self, run_id: str, stage: int, microbatch_id: str | None = None) -> None:
+        if run_id != self.spec.run_id:
+            raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, f"wrong run id {run_id!r}: this peer serves run {self.spec.run_id!r}")
+        if stage != self.runtime.stage:
+            raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, f"wrong stage {stage}: this peer serves stage {self.runtime.stage}")
+        if microbatch_id is not None and not 0 < len(microbatch_id) <= MAX_MICROBATCH_ID:
+            raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, f"microbatch_id must be 1..{MAX_MICROBATCH_ID} characters")
+
+    def _decode_input(self, msg: swarm_pb2.Tensor) -> torch.Tensor:
+        limits = self.spec.limits
+        model = self.spec.model
+        if self.runtime.is_first:
+            t = decode(msg, max_elements=limits.max_tensor_elements, allowed_dtypes=("int64",), expect_shape=(None, None), what="input")
+            if t.shape[1] > model.seq_len or t.shape[1] == 0 or t.shape[0] == 0:
+                raise WireError(f"input: sequence length {t.shape[1]} must be 1..{model.seq_len}")
+            if t.numel() and (int(t.min()) < 0 or int(t.max()) >= model.vocab_size):
+                raise WireError(f"input: token ids must lie in [0, {model.vocab_size})")
+            return t
+        t = decode(msg, max_elements=limits.max_tensor_elements, allowed_dtypes=("float32", "float16", "bfloat16"),
+                   expect_shape=(None, None, model.d_model), what="input")
+        if t.shape[1] > model.seq_len or t.shape[0] == 0 or t.shape[1] == 0:
+            raise WireError(f"input: sequence length {t.shape[1]} must be 1..{model.seq_len}")
+        return t.float()
+
+    def _decode_grad(self, msg: swarm_pb2.Tensor) -> torch.Tensor:
+        width = self.spec.model.vocab_size if self.runtime.is_last else self.spec.model.d_model
+        return decode(msg, max_elements=self.spec.limits.max_tensor_elements, allowed_dtypes=("float32", "float16", "bfloat16"),
+                      expect_shape=(None, None, width), what="grad_output").float()
+
+    def _count_bytes(self, msg: swarm_pb2.Tensor, incoming: bool) -> None:
+        (self.metrics.bytes_in if incoming else self.metrics.bytes_out).labels(msg.codec or "none").inc(len(msg.data))
+
+    def _encode(self, t: torch.Tensor, codec: str, default: str) -> swarm_pb2.Tensor:
+        msg = encode(t, codec or default)
+        self._count_bytes(msg, incoming=False)
+        return msg
+
+    # ------------------------------------------------------------ plumbing
+    async def _compute(self, method: str, fn: Callable[[], Any]) -> Any:
+        """Run ``fn`` on the single compute thread, counting the queue in front of it."""
+        self.queue += 1
+        self.metrics.queue.set(self.queue)
+        started = time.perf_counter()
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self.executor, fn)
+        finally:
+            self.queue -= 1
+            self.metrics.queue.set(self.queue)
+            self.metrics.latency.labels(method).observe(time.perf_counter() - started)
+
+    async def _serve(self, method: str, context: grpc.aio.ServicerContext, handler: Callable[[], Any]) -> Any:
+        self.metrics.requests.labels(method).inc()
+        self.in_flight += 1
+        try:
+            return await handler()
+        except RequestError as e:
+            self.metrics.errors.labels(method, e.code.name.lower()).inc()
+            log.info("peer %s stage %d: rejected %s: %s", self.peer_id[-6:], self.runtime.stage, method, e)
+            await context.abort(e.code, str(e))
+        except WireError as e:
+            self.metrics.errors.labels(method, "invalid_tensor").inc()
+            log.info("peer %s stage %d: rejected %s: %s", self.peer_id[-6:], self.runtime.stage, method, e)
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except UnknownMicrobatch as e:
+            self.metrics.errors.labels(method, "unknown_microbatch").inc()
+            await context.abort(grpc.StatusCode.NOT_FOUND, str(e.args[0]))
+        except ValueError as e:
+            self.metrics.errors.labels(method, "invalid_argument").inc()
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        finally:
+            self.in_flight -= 1
+
+    def _require_accepting(self) -> None:
+        if self.state != "online":
+            raise RequestError(grpc.StatusCode.UNAVAILABLE, f"peer is {self.state}; send new work to another replica")
+
+    def _after_backward(self, result: BackwardResult) -> None:
+        self.metrics.delay.observe(result.delay)
+        if not result.applied:
+            self.metrics.dropped.labels(result.dropped_reason.split(":")[0]).inc()
+        self.metrics.optimizer_steps.inc(self.runtime.version - self._reported_version)
+        self._reported_version = self.runtime.version
+        self.metrics.version.set(self.runtime.version)
+        self.metrics.throughput.set(self.runtime.throughput())
+
+    # ------------------------------------------------------------ RPCs
+    async def Forward(self, request: swarm_pb2.ForwardRequest, context: grpc.aio.ServicerContext) -> swarm_pb2.ForwardResponse:
+        async def handle() -> swarm_pb2.ForwardResponse:
+            self._check_header(request.run_id, request.stage, request.microbatch_id)
+            self._require_accepting()
+            if self.runtime.is_last:
+                raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, "the last stage takes ForwardBackward, not Forward")
+            self._count_bytes(request.input, incoming=True)
+            x = self._decode_input(request.input)
+            out = await self._compute("forward", lambda: self.runtime.forward(request.microbatch_id, x))
+            output = self._encode(out, request.reply_codec, self.spec.compression.activations)
+            return swarm_pb2.ForwardResponse(output=output, version=self.runtime.version)
+        return await self._serve("forward", context, handle)
+
+    async def Backward(self, request: swarm_pb2.BackwardRequest, context: grpc.aio.ServicerContext) -> swarm_pb2.BackwardResponse:
+        async def handle() -> swarm_pb2.BackwardResponse:
+            self._check_header(request.run_id, request.stage, request.microbatch_id)
+            if self.runtime.is_last:
+                raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, "the last stage takes ForwardBackward, not Backward")
+            self._count_bytes(request.grad_output, incoming=True)
+            grad = self._decode_grad(request.grad_output)
+            if request.replay:
+                if self.state == "draining":  # a replay is new work
+                    self._require_accepting()
+                if is_empty(request.input):
+                    raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, "a replayed backward must carry the stage input")
+                x = self._decode_input(request.input)
+                result = await self._compute("backward", lambda: self.runtime.replay_backward(x, grad))
+            else:
+                result = await self._compute("backward", lambda: self.runtime.backward(request.microbatch_id, grad))
+            self._after_backward(result)
+            response = swarm_pb2.BackwardResponse(version=self.runtime.version, delay=result.delay,
+                                                  applied=result.applied, dropped_reason=result.dropped_reason)
+            if result.grad_input is not None:
+                response.grad_input.CopyFrom(self._encode(result.grad_input, request.reply_codec, self.spec.compression.gradients))
+            return response
+        return await self._serve("backward", context, handle)
+
+    async def ForwardBackward(self, request: swarm_pb2.ForwardBackwardRequest, context: grpc.aio.ServicerContext) -> swarm_pb2.ForwardBackwardResponse:
+        async def handle() -> swarm_pb2.ForwardBackwardResponse:
+            self._check_header(request.run_id, request.stage, request.microbatch_id)
+            self._require_accepting()
+            if not self.runtime.is_last:
+                raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, f"ForwardBackward is for the last stage; this peer serves stage {self.runtime.stage}")
+            self._count_bytes(request.input, incoming=True)
+            x = self._decode_input(request.input)
+            targets = decode(request.targets, max_elements=self.spec.limits.max_tensor_elements, allowed_dtypes=("int64",),
+                             expect_shape=tuple(x.shape[:2]), what="targets")
+            result = await self._compute("forward_backward", lambda: self.runtime.forward_backward(x, targets))
+            self._after_backward(result)
+            response = swarm_pb2.ForwardBackwardResponse(loss=result.loss or 0.0, version=self.runtime.version,
+                                                         applied=result.applied, dropped_reason=result.dropped_reason)
+            if result.grad_input is not None:
+                response.grad_input.CopyFrom(self._encode(result.grad_input, request.reply_codec, self.spec.compression.gradients))
+            return response
+        return await self._serve("forward_backward", context, handle)
+
+    async def Info(self, request: swarm_pb2.InfoRequest, context: grpc.aio.ServicerContext) -> swarm_pb2.InfoResponse:
+        stats = self.runtime.stats
+        return swarm_pb2.InfoResponse(
+            peer_id=self.peer_id, stage=self.runtime.stage, version=self.runtime.version,
+            throughput=self.runtime.throughput(), queue=self.queue, state=self.state,
+            samples_processed=stats.samples, dropped_stale=stats.dropped_stale,
+        )
+
+    async def DownloadState(self, request: swarm_pb2.DownloadStateRequest, context: grpc.aio.ServicerContext):
+        self.metrics.requests.labels("download_state").inc()
+        try:
+            self._check_header(request.run_id, request.stage)
+            if self.state_provider is None:
+                raise RequestError(grpc.StatusCode.UNAVAILABLE, "this peer does not serve its state")
+            chunks = await self._compute("download_state", lambda: self.state_provider(request))
+        except (RequestError, ValueError) as e:
+            code = e.code if isinstance(e, RequestError) else grpc.StatusCode.INVALID_ARGUMENT
+            self.metrics.errors.labels("download_state", code.name.lower()).inc()
+            await context.abort(code, str(e))
+            return
+        for chunk in chunks:
+            self._count_bytes(chunk.tensor, incoming=False)
+            yield chunk
+
+
+async def start_server(servicer: StageServicer, host: str, port: int) -> tuple[grpc.aio.Server, int]:
+    """Bind and start; returns the server and the real port (port 0 picks a free one)."""
+    server = grpc.aio.server(options=server_options(servicer.spec.limits.max_message_mb))
+    swarm_pb2_grpc.add_StageServicer_to_server(servicer, server)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise OSError(f"could not bind the stage server to {host}:{port}")
+    await server.start()
+    return server, bound

@@ -1,0 +1,129 @@
+"""Typed, asynchronous access to the swarm's hivemind DHT.
+
+hivemind runs the DHT in a forked child process; its calls return MPFutures
+that we await with a deadline so an unreachable swarm never hangs a caller.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any, Sequence
+
+import hivemind
+from hivemind.utils import get_dht_time
+
+from peer.records import (
+    RUNS_INDEX_KEY,
+    CheckpointRecord,
+    RunIndexRecord,
+    StageRecord,
+    TrainerRecord,
+    checkpoint_key,
+    parse_record,
+    parse_subkeyed,
+    spec_key,
+    stage_key,
+    trainer_key,
+)
+from peer.spec import RunSpec, SpecError, spec_from_dict
+
+log = logging.getLogger("swarmpipe.dht")
+DHT_TIMEOUT_S = 10.0
+
+
+def start_dht(
+    initial_peers: Sequence[str] = (),
+    host: str = "127.0.0.1",
+    port: int = 0,
+    identity_path: str | None = None,
+    announce_host: str | None = None,
+) -> hivemind.DHT:
+    kwargs: dict[str, Any] = dict(host_maddrs=[f"/ip4/{host}/tcp/{port}"], start=True)
+    if identity_path:
+        kwargs["identity_path"] = identity_path
+    if announce_host and port:  # behind NAT or in a container: the address others should dial
+        kwargs["announce_maddrs"] = [f"/ip4/{announce_host}/tcp/{port}"]
+    return hivemind.DHT(initial_peers=list(initial_peers) or None, **kwargs)
+
+
+def visible_maddrs(dht: hivemind.DHT) -> list[str]:
+    return [str(m) for m in dht.get_visible_maddrs()]
+
+
+class SwarmDHT:
+    """The records of one run, read and written with deadlines."""
+
+    def __init__(self, dht: hivemind.DHT, run_id: str):
+        self.dht = dht
+        self.run_id = run_id
+        self.peer_id = dht.peer_id.to_base58()
+
+    async def _get(self, key: str) -> Any:
+        future = self.dht.get(key, latest=True, return_future=True)
+        try:
+            return await asyncio.wait_for(future, DHT_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            log.warning("dht get %s timed out after %.0fs", key, DHT_TIMEOUT_S)
+            return None
+
+    async def _store(self, key: str, value: Any, ttl: float, subkey: str | None = None) -> bool:
+        future = self.dht.store(key, value, get_dht_time() + ttl, subkey=subkey, return_future=True)
+        try:
+            return bool(await asyncio.wait_for(future, DHT_TIMEOUT_S))
+        except asyncio.TimeoutError:
+            log.warning("dht store %s timed out after %.0fs", key, DHT_TIMEOUT_S)
+            return False
+
+    # spec ------------------------------------------------------------------
+    async def publish_spec(self, spec: RunSpec, ttl: float) -> bool:
+        return await self._store(spec_key(self.run_id), spec.to_dict(), ttl)
+
+    async def fetch_spec(self) -> RunSpec | None:
+        found = await self._get(spec_key(self.run_id))
+        if found is None:
+            return None
+        try:
+            return spec_from_dict(found.value)
+        except (SpecError, TypeError, ValueError) as e:
+            raise SpecError(f"the run spec published for {self.run_id!r} is unusable: {e}") from e
+
+    async def wait_for_spec(self, timeout: float = 60.0, poll: float = 1.0) -> RunSpec:
+        deadline = asyncio.get_running_loop().time() + timeout
+        while True:
+            spec = await self.fetch_spec()
+            if spec is not None:
+                return spec
+            if asyncio.get_running_loop().time() > deadline:
+                raise TimeoutError(f"no spec for run {self.run_id!r} in the DHT after {timeout:.0f}s; is the coordinator up?")
+            await asyncio.sleep(poll)
+
+    # stages ----------------------------------------------------------------
+    async def announce_stage(self, stage: int, record: StageRecord, ttl: float) -> bool:
+        return await self._store(stage_key(self.run_id, stage), record.model_dump(), ttl, subkey=self.peer_id)
+
+    async def stage_peers(self, stage: int) -> dict[str, StageRecord]:
+        return parse_subkeyed(StageRecord, await self._get(stage_key(self.run_id, stage)))
+
+    async def all_stages(self, num_stages: int) -> list[dict[str, StageRecord]]:
+        return list(await asyncio.gather(*(self.stage_peers(s) for s in range(num_stages))))
+
+    # trainers, checkpoints, index -----------------------------------------------
+    async def announce_trainer(self, record: TrainerRecord, ttl: float) -> bool:
+        return await self._store(trainer_key(self.run_id), record.model_dump(), ttl, subkey=self.peer_id)
+
+    async def trainers(self) -> dict[str, TrainerRecord]:
+        return parse_subkeyed(TrainerRecord, await self._get(trainer_key(self.run_id)))
+
+    async def publish_checkpoint(self, record: CheckpointRecord, ttl: float) -> bool:
+        return await self._store(checkpoint_key(self.run_id), record.model_dump(), ttl)
+
+    async def checkpoint(self) -> CheckpointRecord | None:
+        found = await self._get(checkpoint_key(self.run_id))
+        return None if found is None else parse_record(CheckpointRecord, found.value, "checkpoint")
+
+    async def list_in_index(self, record: RunIndexRecord, ttl: float) -> bool:
+        return await self._store(RUNS_INDEX_KEY, record.model_dump(), ttl, subkey=self.run_id)
+
+    async def runs(self) -> dict[str, RunIndexRecord]:
+        return parse_subkeyed(RunIndexRecord, await self._get(RUNS_INDEX_KEY))
+

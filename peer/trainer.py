@@ -1,0 +1,191 @@
+"""The trainer: owns the data and drives micro-batches through the swarm, many in flight.
+
+No pipeline flush: up to ``in_flight`` micro-batches are anywhere in the
+pipeline at once, and every stage updates after each backward. Each call has a
+deadline; a failed forward is retried on another replica; a backward whose
+forward peer is gone is replayed on another replica from the input we kept.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from peer.bootstrap import resolve_initial_peers
+from peer.config import TrainerConfig
+from peer.data import BatchSampler, CorpusSplit, load_corpus
+from peer.events import EventLog
+from peer.microbatch import MicrobatchRunner
+from peer.records import TrainerRecord, now
+from peer.routing import Router
+from peer.swarm_dht import SwarmDHT, start_dht
+
+log = logging.getLogger("swarmpipe.trainer")
+REFRESH_PERIOD_S = 2.0
+LOSS_WINDOW = 10
+
+
+@dataclass
+class Progress:
+    started: int = 0
+    completed: int = 0
+    retried: int = 0
+    dropped_stale: int = 0
+    failed: int = 0
+    losses: list[float] = field(default_factory=list)
+    t0: float = field(default_factory=time.monotonic)
+
+    def samples_per_s(self, microbatch_size: int) -> float:
+        elapsed = time.monotonic() - self.t0
+        return self.completed * microbatch_size / elapsed if elapsed > 0 else 0.0
+
+    def loss_ema(self) -> float | None:
+        window = self.losses[-LOSS_WINDOW:]
+        return sum(window) / len(window) if window else None
+
+
+class Trainer:
+    def __init__(self, cfg: TrainerConfig):
+        self.cfg = cfg
+        self.events = EventLog(cfg.event_log, "trainer")
+        self.progress = Progress()
+        self.dht = None
+
+    async def run(self) -> dict:
+        cfg = self.cfg
+        torch.set_num_threads(max(1, cfg.threads))
+        initial = resolve_initial_peers(cfg.initial_peers, cfg.swarm)
+        self.dht = await asyncio.to_thread(start_dht, initial, cfg.host, 0)
+        try:
+            return await self._train()
+        finally:
+            self.dht.shutdown()
+
+    async def _train(self) -> dict:
+        cfg = self.cfg
+        self.events.peer_id = self.dht.peer_id.to_base58()
+        if not cfg.run_id:
+            runs = await SwarmDHT(self.dht, "").runs()
+            if len(runs) != 1:
+                raise ValueError(f"pass --run-id: the swarm lists {len(runs)} runs ({', '.join(runs) or 'none'})")
+            cfg.run_id = next(iter(runs))
+        swarm = SwarmDHT(self.dht, cfg.run_id)
+        spec = await swarm.wait_for_spec(cfg.spec_timeout)
+        corpus = await asyncio.to_thread(load_corpus, cfg.data or None)
+        sampler = BatchSampler(CorpusSplit.from_bytes(corpus).train, spec.microbatch_size, spec.model.seq_len, cfg.seed)
+        router = Router(spec.num_stages)
+        runner = MicrobatchRunner(spec, router, self.progress, self.events, cfg.call_timeout, cfg.wait_timeout,
+                                  refresh=lambda: self._refresh(swarm, router, spec.num_stages))
+        await self._refresh(swarm, router, spec.num_stages)
+        self.events.emit("training", run_id=cfg.run_id, stages=spec.num_stages, steps=cfg.steps,
+                         peers=len(router.peers), corpus_bytes=len(corpus))
+        in_flight = cfg.in_flight or 2 * spec.num_stages
+        background = [asyncio.create_task(self._refresh_loop(swarm, router, spec.num_stages)),
+                      asyncio.create_task(self._announce_loop(swarm, spec.microbatch_size))]
+        bar = self._progress_bar(spec.microbatch_size)
+        try:
+            await self._drive(runner, sampler, in_flight, bar)
+        finally:
+            for task in background:
+                task.cancel()
+            await runner.close()
+            if bar is not None:
+                bar.close()
+        report = self._report(spec.microbatch_size)
+        await swarm.announce_trainer(self._record(spec.microbatch_size), ttl=60)
+        self.events.emit("finished", **{k: v for k, v in report.items() if k != "losses"})
+        if cfg.report:
+            tmp = cfg.report + ".tmp"
+            with open(tmp, "w") as f:
+                json.dump(report, f, indent=2)
+            os.replace(tmp, cfg.report)
+        return report
+
+    async def _drive(self, runner: MicrobatchRunner, sampler: BatchSampler, in_flight: int, bar) -> None:
+        """Keep ``in_flight`` micro-batches going until ``steps`` have ended."""
+        p = self.progress
+        target = self.cfg.steps
+        tasks: set[asyncio.Task] = set()
+        last_event = 0.0
+        while p.completed + p.dropped_stale + p.failed < target:
+            while len(tasks) < in_flight and p.started < target:
+                inputs, targets = sampler.next()
+                p.started += 1
+                tasks.add(asyncio.create_task(runner.run(f"{self.events.peer_id[-8:]}-{p.started}", inputs, targets)))
+            done, tasks = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                task.result()  # a runner never raises except on a fatal error: let it surface
+            if bar is not None:
+                bar.n = min(target, p.completed + p.dropped_stale)
+                bar.set_postfix(loss=f"{p.loss_ema() or 0:.3f}", sps=f"{p.samples_per_s(runner.spec.microbatch_size):.1f}",
+                                retried=p.retried, refresh=False)
+                bar.refresh()
+            if time.monotonic() - last_event > 1.0:
+                last_event = time.monotonic()
+                self.events.emit("progress", level=logging.DEBUG, step=p.completed, loss=p.loss_ema(),
+                                 samples_per_s=round(p.samples_per_s(runner.spec.microbatch_size), 2),
+                                 retried=p.retried, target=target)
+        if tasks:
+            await asyncio.gather(*tasks)
+
+    def _progress_bar(self, microbatch_size: int):
+        if not self.cfg.progress:
+            return None
+        from tqdm import tqdm
+        return tqdm(total=self.cfg.steps, desc="training", unit="mb", dynamic_ncols=True)
+
+    async def _refresh(self, swarm: SwarmDHT, router: Router, num_stages: int) -> None:
+        for stage, records in enumerate(await swarm.all_stages(num_stages)):
+            router.update_stage(stage, records)
+
+    async def _refresh_loop(self, swarm: SwarmDHT, router: Router, num_stages: int) -> None:
+        while True:
+            await asyncio.sleep(REFRESH_PERIOD_S)
+            try:
+                await self._refresh(swarm, router, num_stages)
+            except Exception as e:  # keep training on the last known view
+                log.warning("trainer refresh failed: %s", e)
+
+    def _record(self, microbatch_size: int) -> TrainerRecord:
+        p = self.progress
+        return TrainerRecord(step=p.completed, loss=p.loss_ema(), samples_per_s=p.samples_per_s(microbatch_size),
+                             microbatches_completed=p.completed, microbatches_retried=p.retried,
+                             microbatches_lost=self._lost(), updated_at=now())
+
+    async def _announce_loop(self, swarm: SwarmDHT, microbatch_size: int) -> None:
+        while True:
+            try:
+                await swarm.announce_trainer(self._record(microbatch_size), ttl=3 * self.cfg.announce_period)
+            except Exception as e:
+                log.warning("trainer announce failed: %s", e)
+            await asyncio.sleep(self.cfg.announce_period)
+
+    def _lost(self) -> int:
+        """Micro-batches that ended neither completed nor counted as dropped (the goal: always 0)."""
+        p = self.progress
+        return p.failed
+
+    def _report(self, microbatch_size: int) -> dict:
+        p = self.progress
+        first = p.losses[:LOSS_WINDOW]
+        last = p.losses[-LOSS_WINDOW:]
+        return {
+            "run_id": self.cfg.run_id,
+            "steps": p.completed,
+            "microbatches_started": p.started,
+            "microbatches_completed": p.completed,
+            "microbatches_retried": p.retried,
+            "microbatches_dropped_stale": p.dropped_stale,
+            "microbatches_lost": self._lost(),
+            "microbatches_unfinished": p.started - p.completed - p.dropped_stale - p.failed,
+            "loss_first": sum(first) / len(first) if first else None,
+            "loss_last": sum(last) / len(last) if last else None,
+            "samples_per_s": p.samples_per_s(microbatch_size),
+            "elapsed_s": time.monotonic() - p.t0,
+            "losses": p.losses,
+        }

@@ -1,0 +1,157 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class Tensor(_message.Message):
+    __slots__ = ("shape", "dtype", "codec", "data")
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    CODEC_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    dtype: str
+    codec: str
+    data: bytes
+    def __init__(self, shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., codec: _Optional[str] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class ForwardRequest(_message.Message):
+    __slots__ = ("run_id", "stage", "microbatch_id", "input", "reply_codec")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    STAGE_FIELD_NUMBER: _ClassVar[int]
+    MICROBATCH_ID_FIELD_NUMBER: _ClassVar[int]
+    INPUT_FIELD_NUMBER: _ClassVar[int]
+    REPLY_CODEC_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    stage: int
+    microbatch_id: str
+    input: Tensor
+    reply_codec: str
+    def __init__(self, run_id: _Optional[str] = ..., stage: _Optional[int] = ..., microbatch_id: _Optional[str] = ..., input: _Optional[_Union[Tensor, _Mapping]] = ..., reply_codec: _Optional[str] = ...) -> None: ...
+
+class ForwardResponse(_message.Message):
+    __slots__ = ("output", "version")
+    OUTPUT_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    output: Tensor
+    version: int
+    def __init__(self, output: _Optional[_Union[Tensor, _Mapping]] = ..., version: _Optional[int] = ...) -> None: ...
+
+class BackwardRequest(_message.Message):
+    __slots__ = ("run_id", "stage", "microbatch_id", "grad_output", "input", "replay", "reply_codec")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    STAGE_FIELD_NUMBER: _ClassVar[int]
+    MICROBATCH_ID_FIELD_NUMBER: _ClassVar[int]
+    GRAD_OUTPUT_FIELD_NUMBER: _ClassVar[int]
+    INPUT_FIELD_NUMBER: _ClassVar[int]
+    REPLAY_FIELD_NUMBER: _ClassVar[int]
+    REPLY_CODEC_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    stage: int
+    microbatch_id: str
+    grad_output: Tensor
+    input: Tensor
+    replay: bool
+    reply_codec: str
+    def __init__(self, run_id: _Optional[str] = ..., stage: _Optional[int] = ..., microbatch_id: _Optional[str] = ..., grad_output: _Optional[_Union[Tensor, _Mapping]] = ..., input: _Optional[_Union[Tensor, _Mapping]] = ..., replay: _Optional[bool] = ..., reply_codec: _Optional[str] = ...) -> None: ...
+
+class BackwardResponse(_message.Message):
+    __slots__ = ("grad_input", "version", "delay", "applied", "dropped_reason")
+    GRAD_INPUT_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    DELAY_FIELD_NUMBER: _ClassVar[int]
+    APPLIED_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_REASON_FIELD_NUMBER: _ClassVar[int]
+    grad_input: Tensor
+    version: int
+    delay: int
+    applied: bool
+    dropped_reason: str
+    def __init__(self, grad_input: _Optional[_Union[Tensor, _Mapping]] = ..., version: _Optional[int] = ..., delay: _Optional[int] = ..., applied: _Optional[bool] = ..., dropped_reason: _Optional[str] = ...) -> None: ...
+
+class ForwardBackwardRequest(_message.Message):
+    __slots__ = ("run_id", "stage", "microbatch_id", "input", "targets", "reply_codec")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    STAGE_FIELD_NUMBER: _ClassVar[int]
+    MICROBATCH_ID_FIELD_NUMBER: _ClassVar[int]
+    INPUT_FIELD_NUMBER: _ClassVar[int]
+    TARGETS_FIELD_NUMBER: _ClassVar[int]
+    REPLY_CODEC_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    stage: int
+    microbatch_id: str
+    input: Tensor
+    targets: Tensor
+    reply_codec: str
+    def __init__(self, run_id: _Optional[str] = ..., stage: _Optional[int] = ..., microbatch_id: _Optional[str] = ..., input: _Optional[_Union[Tensor, _Mapping]] = ..., targets: _Optional[_Union[Tensor, _Mapping]] = ..., reply_codec: _Optional[str] = ...) -> None: ...
+
+class ForwardBackwardResponse(_message.Message):
+    __slots__ = ("loss", "grad_input", "version", "applied", "dropped_reason")
+    LOSS_FIELD_NUMBER: _ClassVar[int]
+    GRAD_INPUT_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    APPLIED_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_REASON_FIELD_NUMBER: _ClassVar[int]
+    loss: float
+    grad_input: Tensor
+    version: int
+    applied: bool
+    dropped_reason: str
+    def __init__(self, loss: _Optional[float] = ..., grad_input: _Optional[_Union[Tensor, _Mapping]] = ..., version: _Optional[int] = ..., applied: _Optional[bool] = ..., dropped_reason: _Optional[str] = ...) -> None: ...
+
+class InfoRequest(_message.Message):
+    __slots__ = ("run_id",)
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    def __init__(self, run_id: _Optional[str] = ...) -> None: ...
+
+class InfoResponse(_message.Message):
+    __slots__ = ("peer_id", "stage", "version", "throughput", "queue", "state", "samples_processed", "dropped_stale")
+    PEER_ID_FIELD_NUMBER: _ClassVar[int]
+    STAGE_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    THROUGHPUT_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    SAMPLES_PROCESSED_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_STALE_FIELD_NUMBER: _ClassVar[int]
+    peer_id: str
+    stage: int
+    version: int
+    throughput: float
+    queue: int
+    state: str
+    samples_processed: int
+    dropped_stale: int
+    def __init__(self, peer_id: _Optional[str] = ..., stage: _Optional[int] = ..., version: _Optional[int] = ..., throughput: _Optional[float] = ..., queue: _Optional[int] = ..., state: _Optional[str] = ..., samples_processed: _Optional[int] = ..., dropped_stale: _Optional[int] = ...) -> None: ...
+
+class DownloadStateRequest(_message.Message):
+    __slots__ = ("run_id", "stage", "shard", "num_shards")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    STAGE_FIELD_NUMBER: _ClassVar[int]
+    SHARD_FIELD_NUMBER: _ClassVar[int]
+    NUM_SHARDS_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    stage: int
+    shard: int
+    num_shards: int
+    def __init__(self, run_id: _Optional[str] = ..., stage: _Optional[int] = ..., shard: _Optional[int] = ..., num_shards: _Optional[int] = ...) -> None: ...
+
+class StateChunk(_message.Message):
+    __slots__ = ("name", "tensor", "version", "metadata_json", "index", "total")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    METADATA_JSON_FIELD_NUMBER: _ClassVar[int]
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    tensor: Tensor
+    version: int
+    metadata_json: str
+    index: int
+    total: int
+    def __init__(self, name: _Optional[str] = ..., tensor: _Optional[_Union[Tensor, _Mapping]] = ..., version: _Optional[int] = ..., metadata_json: _Optional[str] = ..., index: _Optional[int] = ..., total: _Optional[int] = ...) -> None: ...
