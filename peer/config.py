@@ -72,7 +72,7 @@ class CoordinatorConfig(CommonConfig):
 class DemoConfig:
     num_stages: int = opt(2, "pipeline stages")
     replicas: int = opt(1, "peers per stage")
-    steps: int = opt(500, "micro-batches to train")
+    steps: int = opt(1000, "micro-batches to train")
     workdir: str = opt("", "folder for logs and reports (default: runs/demo-<time>)")
     spec: str = opt("", "TOML run spec (default: built-in)")
     http_port: int = opt(0, "coordinator HTTP port (0 picks a free one)")
