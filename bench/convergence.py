@@ -74,6 +74,37 @@ def steps_to_reach(eval_micro: list[int], eval_losses: list[float], target: floa
     return next((m for m, loss in zip(eval_micro, eval_losses) if loss <= target), None)
 
 
+def summarize(results: list[dict], steps: int, lr: float) -> None:
+    """Add targets to the records and print the table.
+
+    ``steps``: micro-batches to reach sync AdamW's validation loss at 50 % of the budget;
+    ``vs async``: micro-batches to reach async AdamW's final loss (same P and seed).
+    """
+    half = steps // 2
+
+    def peer_run(rec: dict, name: str) -> dict | None:
+        return next((r for r in results if r["name"] == name and r["stages"] == rec["stages"]
+                     and r["seed"] == rec["seed"]), None)
+
+    for rec in results:
+        sync, naive = peer_run(rec, "sync_adamw"), peer_run(rec, "async_adamw")
+        if sync is not None:
+            rec["target"] = next(loss for m, loss in zip(sync["eval_micro"], sync["eval_losses"]) if m >= half)
+            rec["steps_to_target"] = steps_to_reach(rec["eval_micro"], rec["eval_losses"], rec["target"])
+        if naive is not None:
+            rec["steps_to_async_final"] = steps_to_reach(rec["eval_micro"], rec["eval_losses"], naive["final_eval"])
+
+    def show(value: int | None) -> str:
+        return "never" if value is None else str(value)
+
+    print(f"\nvalidation loss after {steps} micro-batches of 16 (lr {lr}); steps = micro-batches to reach "
+          f"sync AdamW's loss at {half}; vs async = micro-batches to reach async AdamW's final loss")
+    print(f"{'run':<22} {'P':>2} {'seed':>4} {'val loss':>9} {'steps':>6} {'vs async':>8} {'time s':>7}")
+    for rec in results:
+        print(f"{rec['name']:<22} {rec['stages']:>2} {rec['seed']:>4} {rec['final_eval']:>9.4f} "
+              f"{show(rec.get('steps_to_target')):>6} {show(rec.get('steps_to_async_final')):>8} {rec['seconds']:>7}")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=1000, help="micro-batches per run (updates, except GPipe: /4)")
@@ -83,9 +114,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--eval-batches", type=int, default=8)
     parser.add_argument("--full", action="store_true", help="add P=4, no-stash variants and a second seed")
     parser.add_argument("--only", default="", help="comma-separated run names to keep (for quick checks)")
+    parser.add_argument("--stages", default="", help="comma-separated stage counts to keep, e.g. 8")
+    parser.add_argument("--seeds", default="", help="comma-separated seeds to keep, e.g. 0")
+    parser.add_argument("--report", type=Path, help="reprint the table of a saved JSON and exit")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
+    if args.report:
+        saved = json.loads(args.report.read_text())
+        summarize(saved["runs"], saved["config"]["steps"], saved["config"]["lr"])
+        return 0
 
     split = CorpusSplit.from_bytes(load_corpus())
     evals = BatchSampler(split.valid, 16, 64, seed=1234).fixed_batches(args.eval_batches)
@@ -93,6 +131,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.only:
         keep = set(args.only.split(","))
         runs = [r for r in runs if r.name in keep or r.name == "sync_adamw"]
+    if args.stages:
+        runs = [r for r in runs if str(r.stages) in args.stages.split(",")]
+    if args.seeds:
+        runs = [r for r in runs if str(r.seed) in args.seeds.split(",")]
     started = time.perf_counter()
     results = []
     for cfg in runs:
@@ -108,20 +150,7 @@ def main(argv: list[str] | None = None) -> int:
         results.append(record)
         print(f"{cfg.label:<40} val {record['final_eval']:.4f}  {res.seconds:6.1f}s", flush=True)
 
-    half = args.steps // 2
-    for rec in results:  # target: the sync AdamW validation loss at 50 % of the budget, same P and seed
-        sync = next(r for r in results if r["name"] == "sync_adamw" and r["stages"] == rec["stages"]
-                    and r["seed"] == rec["seed"])
-        target = next(loss for m, loss in zip(sync["eval_micro"], sync["eval_losses"]) if m >= half)
-        rec["target"] = target
-        rec["steps_to_target"] = steps_to_reach(rec["eval_micro"], rec["eval_losses"], target)
-
-    print(f"\nvalidation loss after {args.steps} micro-batches of 16 (lr {args.lr}); "
-          f"steps = micro-batches to reach sync AdamW's loss at {half}")
-    print(f"{'run':<22} {'P':>2} {'seed':>4} {'val loss':>9} {'steps':>6} {'time s':>7}")
-    for rec in results:
-        steps = rec["steps_to_target"] if rec["steps_to_target"] is not None else "never"
-        print(f"{rec['name']:<22} {rec['stages']:>2} {rec['seed']:>4} {rec['final_eval']:>9.4f} {steps!s:>6} {rec['seconds']:>7}")
+    summarize(results, args.steps, args.lr)
     total = time.perf_counter() - started
     print(f"total {total:.0f}s")
 
