@@ -15,12 +15,19 @@ from collections import deque
 from pathlib import Path
 from typing import Any
 
+import grpc
+
+from coordinator.checkpoints import CheckpointServicer, CheckpointStore
 from coordinator.http import SwarmHttpServer
+from peer.channels import server_options
 from peer.config import CoordinatorConfig
 from peer.events import EventLog
-from peer.records import RunIndexRecord, now
+from peer.records import CheckpointRecord, RunIndexRecord, now
 from peer.spec import RunSpec, load_spec
+from peer.stage_state import StateError
+from peer.state_transfer import download_state
 from peer.swarm_dht import SwarmDHT, start_dht, visible_maddrs
+from protos import swarm_pb2_grpc
 
 log = logging.getLogger("swarmpipe.coordinator")
 POLL_PERIOD_S = 2.0
@@ -50,6 +57,10 @@ class Coordinator:
         self._known_peers: dict[str, tuple[int, str]] = {}
         self.http: SwarmHttpServer | None = None
         self.initial_peers: list[str] = []
+        self.store = CheckpointStore(cfg.checkpoint_dir, self.spec.num_stages) if cfg.checkpoint_dir else None
+        self.grpc_server: grpc.aio.Server | None = None
+        self.grpc_address = ""
+        self.last_checkpoint: dict[str, Any] | None = self.store.manifest() if self.store else None
 
     async def run(self) -> int:
         cfg = self.cfg
@@ -66,6 +77,8 @@ class Coordinator:
         finally:
             if self.http is not None:
                 self.http.stop()
+            if self.grpc_server is not None:
+                await self.grpc_server.stop(grace=1.0)
             self.dht.shutdown()
 
     async def _serve(self) -> int:
@@ -76,6 +89,8 @@ class Coordinator:
             bound = int(self.initial_peers[0].split("/tcp/")[1].split("/")[0])
             Path(cfg.identity + ".port").write_text(str(bound))
         self.swarm = SwarmDHT(self.dht, self.spec.run_id)
+        if self.store is not None:
+            await self._start_checkpoint_server()
         await self._publish()
         self.http = SwarmHttpServer(self, cfg.host, cfg.http_port)
         http_port = self.http.start()
@@ -88,6 +103,8 @@ class Coordinator:
         self.events.emit("started", run_id=self.spec.run_id, stages=self.spec.num_stages, http_port=http_port,
                          initial_peers=self.initial_peers[0])
         tasks = [asyncio.create_task(self._publish_loop()), asyncio.create_task(self._poll_loop())]
+        if self.store is not None and cfg.checkpoint_every > 0:
+            tasks.append(asyncio.create_task(self._checkpoint_loop()))
         await self.stop_requested.wait()
         for task in tasks:
             task.cancel()
@@ -102,6 +119,9 @@ class Coordinator:
                                coordinator=self.initial_peers[0] if self.initial_peers else "", updated_at=now())
         await self.swarm.list_in_index(index, ttl=max(ttl, 3600))
 
+        if self.last_checkpoint is not None and self.grpc_address:
+            await self._publish_checkpoint(self.last_checkpoint)
+
     async def _publish_loop(self) -> None:
         while True:
             await asyncio.sleep(self.cfg.publish_period)
@@ -109,6 +129,58 @@ class Coordinator:
                 await self._publish()
             except Exception as e:
                 log.warning("coordinator publish failed: %s", e)
+
+    # ------------------------------------------------------------ checkpoints
+    async def _start_checkpoint_server(self) -> None:
+        servicer = CheckpointServicer(self.store, self.spec.run_id, on_saved=self._checkpoint_saved)
+        self.grpc_server = grpc.aio.server(options=server_options(self.spec.limits.max_message_mb))
+        swarm_pb2_grpc.add_StageServicer_to_server(servicer, self.grpc_server)
+        port = self.grpc_server.add_insecure_port(f"{self.cfg.host}:{self.cfg.grpc_port}")
+        await self.grpc_server.start()
+        self.grpc_address = f"{self.cfg.announce_host or self.cfg.host}:{port}"
+
+    async def _publish_checkpoint(self, manifest: dict[str, Any]) -> None:
+        stages = manifest.get("stages", {})
+        record = CheckpointRecord(
+            step=int(manifest["step"]), created_at=float(manifest.get("created_at", now())), url=self.grpc_address,
+            versions=[int(stages.get(str(s), {}).get("version", -1)) for s in range(self.spec.num_stages)],
+            digests=[str(stages.get(str(s), {}).get("digest", "")) for s in range(self.spec.num_stages)])
+        await self.swarm.publish_checkpoint(record, ttl=3600)
+
+    async def _checkpoint_saved(self, manifest: dict[str, Any], reason: str) -> None:
+        self.last_checkpoint = manifest
+        versions = {s: v["version"] for s, v in manifest["stages"].items()}
+        self._event("checkpoint", step=manifest["step"], versions=versions, reason=reason)
+        await self._publish_checkpoint(manifest)
+
+    async def checkpoint_now(self) -> dict[str, Any] | None:
+        """Pull every stage from its most advanced online replica and write one checkpoint."""
+        states = {}
+        for stage, peers in enumerate(await self.swarm.all_stages(self.spec.num_stages)):
+            online = sorted((r for r in peers.values() if r.state == "online"), key=lambda r: -r.version)
+            saved = ((self.last_checkpoint or {}).get("stages") or {}).get(str(stage), {}).get("version", -1)
+            if online and online[0].version <= saved:
+                continue  # nothing new to save for this stage
+            for record in online[:2]:
+                try:
+                    states[stage] = await download_state([record.address], self.spec.run_id, stage,
+                                                         self.spec.limits.max_message_mb)
+                    break
+                except StateError as e:
+                    log.warning("coordinator could not pull stage %d from %s: %s", stage, record.address, e)
+        if not states:
+            return None
+        manifest = await asyncio.to_thread(self.store.save, states)
+        await self._checkpoint_saved(manifest, reason="periodic")
+        return manifest
+
+    async def _checkpoint_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.cfg.checkpoint_every)
+            try:
+                await self.checkpoint_now()
+            except Exception as e:
+                log.warning("coordinator checkpoint failed: %s", e)
 
     # ------------------------------------------------------------ observing
     async def _poll_loop(self) -> None:
@@ -140,8 +212,9 @@ class Coordinator:
                          "microbatches_lost": t.microbatches_lost, "updated_at": t.updated_at}
                         for pid, t in sorted(trainers.items())]
         self.snapshot = {"run_id": self.spec.run_id, "spec": self.spec.to_dict(), "stages": stage_rows,
-                         "trainers": trainer_rows, "coordinator": {"peer_id": self.events.peer_id,
-                                                                   "initial_peers": self.initial_peers},
+                         "trainers": trainer_rows, "checkpoint": self.last_checkpoint,
+                         "coordinator": {"peer_id": self.events.peer_id, "initial_peers": self.initial_peers,
+                                         "checkpoint_server": self.grpc_address},
                          "updated_at": time.time()}
         losses = [t["loss"] for t in trainer_rows if t["loss"] is not None]
         self.history.append({"time": time.time(), "loss": sum(losses) / len(losses) if losses else None,

@@ -31,8 +31,9 @@ def rebalance_target(stages: list[dict[str, StageRecord]], my_stage: int, my_pee
     """Stage to move to, or None. Moving must raise the slowest stage by ``margin`` (hysteresis)
     and must not make the stage we leave the new bottleneck, so peers do not flap."""
     totals = stage_throughputs(stages)
-    if len(stages[my_stage]) < 2:
-        return None  # never leave a stage without a replica
+    live_here = [pid for pid, r in stages[my_stage].items() if r.state != "draining"]
+    if len(live_here) < 2 or my_peer_id not in live_here:
+        return None  # never leave a stage without a live replica
     slowest = min(range(len(totals)), key=totals.__getitem__)
     if slowest == my_stage:
         return None

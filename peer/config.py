@@ -61,6 +61,7 @@ class CoordinatorConfig(CommonConfig):
     num_stages: int = opt(0, "override the spec's number of stages")
     dht_port: int = opt(0, "DHT port (0: the port saved next to the identity, else a free one)")
     http_port: int = opt(8080, "HTTP port for the dashboard and /api/swarm (0 picks a free one)")
+    grpc_port: int = opt(0, "gRPC port serving checkpoints to joining peers (0 picks a free one)")
     identity: str = opt("", "private key file: the same multiaddr after a restart")
     checkpoint_dir: str = opt("", "where checkpoints live (default: none kept)")
     peers_file: str = opt("", "write the initial peers multiaddrs here")

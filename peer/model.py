@@ -49,17 +49,23 @@ class Block(nn.Module):
 
 
 def _init_(module: nn.Module, seed: int, n_layers: int) -> None:
-    """GPT-2 style init from a private generator: independent of global RNG state."""
+    """GPT-2 style init from a private generator: independent of global RNG state.
+
+    Decided by module type, not parameter name (a bare LayerNorm's parameters are
+    just ``weight``/``bias``); residual output projections get the scaled std.
+    """
     gen = torch.Generator().manual_seed(seed)
-    for name, p in module.named_parameters():
-        with torch.no_grad():
-            if p.dim() >= 2:
-                std = 0.02 / math.sqrt(2 * n_layers) if name.endswith(("proj.weight", "fc_out.weight")) else 0.02
-                p.copy_(torch.randn(p.shape, generator=gen) * std)
-            elif "ln" in name or "norm" in name:
-                p.fill_(1.0 if name.endswith("weight") else 0.0)
-            else:
-                p.zero_()
+    with torch.no_grad():
+        for name, sub in module.named_modules():
+            if isinstance(sub, nn.LayerNorm):
+                sub.weight.fill_(1.0)
+                sub.bias.zero_()
+            elif isinstance(sub, (nn.Linear, nn.Embedding)):
+                residual = name.endswith(("proj", "fc_out"))
+                std = 0.02 / math.sqrt(2 * n_layers) if residual else 0.02
+                sub.weight.copy_(torch.randn(sub.weight.shape, generator=gen) * std)
+                if getattr(sub, "bias", None) is not None:
+                    sub.bias.zero_()
 
 
 class PipelineStage(nn.Module):

@@ -15,7 +15,7 @@ import re
 import time
 from typing import Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 log = logging.getLogger("swarmpipe.records")
 
@@ -24,7 +24,8 @@ _ADDRESS = re.compile(r"^[A-Za-z0-9_.:\-\[\]]{1,255}:\d{1,5}$")
 
 
 class Record(BaseModel):
-    model_config = ConfigDict(extra="ignore", frozen=True)
+    # strict: a forged record with "1.5" where a number belongs is rejected, not coerced
+    model_config = ConfigDict(extra="ignore", frozen=True, strict=True)
 
 
 class StageRecord(Record):
@@ -35,6 +36,14 @@ class StageRecord(Record):
     version: int = Field(ge=0)
     updated_at: float
     metrics_address: str = ""
+
+    @field_validator("address")
+    @classmethod
+    def _port_in_range(cls, value: str) -> str:
+        port = int(value.rsplit(":", 1)[1])
+        if not 0 < port < 65536:
+            raise ValueError(f"port {port} out of range")
+        return value
 
 
 class TrainerRecord(Record):

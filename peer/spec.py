@@ -118,6 +118,10 @@ class RunSpec:
         return dataclasses.asdict(self)
 
 
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 def _build(cls: type, data: dict[str, Any], path: str) -> Any:
     if not isinstance(data, dict):
         raise SpecError(f"{path or 'spec'} must be a table, got {type(data).__name__}")
@@ -132,19 +136,25 @@ def _build(cls: type, data: dict[str, Any], path: str) -> Any:
         if dataclasses.is_dataclass(default):
             kwargs[name] = _build(type(default), value, where)
         elif isinstance(default, tuple):
+            if not isinstance(value, (list, tuple)) or len(value) != len(default) or not all(_is_number(v) for v in value):
+                raise SpecError(f"{where} must be a list of {len(default)} numbers, got {value!r}")
             kwargs[name] = tuple(float(v) for v in value)
         elif isinstance(default, bool):
             if not isinstance(value, bool):
                 raise SpecError(f"{where} must be a boolean")
             kwargs[name] = value
         elif isinstance(default, (int, float)):
-            if not isinstance(value, (int, float)) or isinstance(value, bool):
-                raise SpecError(f"{where} must be a number, got {value!r}")
+            if not _is_number(value) or (isinstance(default, int) and float(value) != int(value)):
+                raise SpecError(f"{where} must be a number{' (an integer)' if isinstance(default, int) else ''}, got {value!r}")
             kwargs[name] = type(default)(value)
         elif isinstance(default, list):
+            if not isinstance(value, list) or not all(_is_number(v) and float(v) == int(v) for v in value):
+                raise SpecError(f"{where} must be a list of integers, got {value!r}")
             kwargs[name] = [int(v) for v in value]
         else:
-            kwargs[name] = str(value)
+            if not isinstance(value, str):
+                raise SpecError(f"{where} must be a string, got {type(value).__name__}")
+            kwargs[name] = value
     return cls(**kwargs)
 
 

@@ -20,6 +20,8 @@ import torch
 
 from peer.channels import server_options
 from peer.metrics import PeerMetrics
+from peer.stage_state import StageState, StateError, average_into, export_state, to_chunks
+from peer.state_transfer import receive_pushed
 from peer.stage_runtime import BackwardResult, StageRuntime, UnknownMicrobatch
 from peer.wire import WireError, decode, encode, is_empty
 from protos import swarm_pb2, swarm_pb2_grpc
@@ -45,7 +47,7 @@ class StageServicer(swarm_pb2_grpc.StageServicer):
         self.in_flight = 0
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="compute")
         self._reported_version = runtime.version
-        self.state_provider: Callable[[swarm_pb2.DownloadStateRequest], Any] | None = None
+        self.on_state_pushed: Callable[[StageState], None] | None = None  # hook for the event log
 
     # ------------------------------------------------------------ validation
     def _check_header(self, run_id: str, stage: int, microbatch_id: str | None = None) -> None:
@@ -202,9 +204,12 @@ class StageServicer(swarm_pb2_grpc.StageServicer):
         self.metrics.requests.labels("download_state").inc()
         try:
             self._check_header(request.run_id, request.stage)
-            if self.state_provider is None:
-                raise RequestError(grpc.StatusCode.UNAVAILABLE, "this peer does not serve its state")
-            chunks = await self._compute("download_state", lambda: self.state_provider(request))
+            if self.state == "joining":
+                raise RequestError(grpc.StatusCode.UNAVAILABLE, "this peer is still joining; download from another replica")
+            # Export on the compute thread: one consistent version, never mid-update.
+            chunks = await self._compute(
+                "download_state", lambda: to_chunks(export_state(self.runtime), request.shard, request.num_shards or 1,
+                                                    self.spec.compression.state))
         except (RequestError, ValueError) as e:
             code = e.code if isinstance(e, RequestError) else grpc.StatusCode.INVALID_ARGUMENT
             self.metrics.errors.labels("download_state", code.name.lower()).inc()
@@ -213,6 +218,24 @@ class StageServicer(swarm_pb2_grpc.StageServicer):
         for chunk in chunks:
             self._count_bytes(chunk.tensor, incoming=False)
             yield chunk
+
+
+    async def PushState(self, request_iterator, context: grpc.aio.ServicerContext) -> swarm_pb2.PushStateResponse:
+        """A draining replica hands over its newest state: average it into ours."""
+        async def handle() -> swarm_pb2.PushStateResponse:
+            state = await receive_pushed(request_iterator)
+            self._check_header(state.meta.get("run_id", ""), int(state.meta.get("stage", -1)))
+            if self.state == "draining":
+                raise RequestError(grpc.StatusCode.UNAVAILABLE, "this peer is draining too")
+            await self._compute("push_state", lambda: average_into(self.runtime, state))
+            if self.on_state_pushed is not None:
+                self.on_state_pushed(state)
+            return swarm_pb2.PushStateResponse(accepted=True, version=self.runtime.version,
+                                               detail=f"averaged state of version {state.version} into ours")
+        try:
+            return await self._serve("push_state", context, handle)
+        except StateError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
 
 
 async def start_server(servicer: StageServicer, host: str, port: int) -> tuple[grpc.aio.Server, int]:

@@ -30,7 +30,8 @@ DTYPES: dict[str, torch.dtype] = {
 }
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 FLOAT_CODECS = ("fp16", "bf16", "uint8", "blockwise8")
-BLOCK_SIZE = 1024  # blockwise8: one absmax scale per block of this many values
+BLOCK_SIZE = 1024
+FP16_MAX = 65504.0  # blockwise8: one absmax scale per block of this many values
 
 
 class WireError(ValueError):
@@ -77,8 +78,9 @@ def encode(t: torch.Tensor, codec: str = "none") -> swarm_pb2.Tensor:
     flat = t.reshape(-1)
     if codec == "none":
         data = _raw_bytes(flat)
-    elif codec == "fp16":
-        data = _raw_bytes(flat.to(torch.float16))
+    elif codec == "fp16":  # saturate instead of overflowing to inf, which the receiver would reject
+        saturated = torch.where(flat.isinf(), flat, flat.clamp(-FP16_MAX, FP16_MAX))  # inf stays inf: rejected
+        data = _raw_bytes(saturated.to(torch.float16))
     elif codec == "bf16":
         data = _raw_bytes(flat.to(torch.bfloat16))
     elif codec == "uint8":

@@ -155,3 +155,13 @@ class StateChunk(_message.Message):
     index: int
     total: int
     def __init__(self, name: _Optional[str] = ..., tensor: _Optional[_Union[Tensor, _Mapping]] = ..., version: _Optional[int] = ..., metadata_json: _Optional[str] = ..., index: _Optional[int] = ..., total: _Optional[int] = ...) -> None: ...
+
+class PushStateResponse(_message.Message):
+    __slots__ = ("accepted", "detail", "version")
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    accepted: bool
+    detail: str
+    version: int
+    def __init__(self, accepted: _Optional[bool] = ..., detail: _Optional[str] = ..., version: _Optional[int] = ...) -> None: ...

@@ -59,6 +59,11 @@ class StageStub:
                 request_serializer=protos_dot_swarm__pb2.DownloadStateRequest.SerializeToString,
                 response_deserializer=protos_dot_swarm__pb2.StateChunk.FromString,
                 _registered_method=True)
+        self.PushState = channel.stream_unary(
+                '/swarmpipe.Stage/PushState',
+                request_serializer=protos_dot_swarm__pb2.StateChunk.SerializeToString,
+                response_deserializer=protos_dot_swarm__pb2.PushStateResponse.FromString,
+                _registered_method=True)
 
 
 class StageServicer:
@@ -94,6 +99,14 @@ class StageServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PushState(self, request_iterator, context):
+        """A draining peer hands its newest state to a replica (which averages it in)
+        or to the coordinator (which checkpoints it).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_StageServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -121,6 +134,11 @@ def add_StageServicer_to_server(servicer, server):
                     servicer.DownloadState,
                     request_deserializer=protos_dot_swarm__pb2.DownloadStateRequest.FromString,
                     response_serializer=protos_dot_swarm__pb2.StateChunk.SerializeToString,
+            ),
+            'PushState': grpc.stream_unary_rpc_method_handler(
+                    servicer.PushState,
+                    request_deserializer=protos_dot_swarm__pb2.StateChunk.FromString,
+                    response_serializer=protos_dot_swarm__pb2.PushStateResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -258,6 +276,33 @@ class Stage:
             '/swarmpipe.Stage/DownloadState',
             protos_dot_swarm__pb2.DownloadStateRequest.SerializeToString,
             protos_dot_swarm__pb2.StateChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PushState(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/swarmpipe.Stage/PushState',
+            protos_dot_swarm__pb2.StateChunk.SerializeToString,
+            protos_dot_swarm__pb2.PushStateResponse.FromString,
             options,
             channel_credentials,
             insecure,

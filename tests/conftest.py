@@ -133,3 +133,24 @@ def kill_tree(launched: Launched) -> None:
     except ProcessLookupError:
         pass
     launched.proc.wait(timeout=10)
+
+
+def events_of(swarm: Swarm, kind: str) -> list[dict]:
+    return [e for e in swarm.read_events() if e.get("kind") == kind]
+
+
+def wait_step(swarm: Swarm, step: int, trainer: Launched, timeout: float = 180) -> int:
+    """Wait until the trainer reports at least ``step`` completed micro-batches; returns the newest step."""
+    def newest() -> int:
+        steps = [e.get("step") or 0 for e in events_of(swarm, "progress")]
+        return max(steps, default=0)
+    wait_for(lambda: newest() >= step and newest() or (step == 0), timeout, f"trainer step {step}", procs=[trainer])
+    return newest()
+
+
+def assert_trained(report: dict, steps: int) -> None:
+    """The invariants every fault scenario ends with."""
+    assert report["microbatches_lost"] == 0, report
+    assert report["microbatches_completed"] + report["microbatches_dropped_stale"] == report["microbatches_started"], report
+    assert report["microbatches_completed"] >= steps * 0.9, report
+    assert report["loss_last"] < report["loss_first"] - 0.3, (report["loss_first"], report["loss_last"])

@@ -140,10 +140,6 @@ def test_after_a_move_the_peer_does_not_move_back() -> None:
     assert rebalance_target(moved, 1, "me", 10.0) is None
 
 
-@pytest.mark.xfail(reason="bug: the 'never leave a stage without a replica' guard counts draining records "
-                          "(len(stages[my_stage]) < 2), so the only online peer of a stage whose other record is "
-                          "draining moves away into an empty stage (0 >= margin * 0 passes), leaving no live replica",
-                   strict=True)
 def test_never_leaves_a_stage_whose_other_replicas_are_draining() -> None:
     stages = [with_me(10.0, draining=(10.0,)), {}]
     assert rebalance_target(stages, 0, "me", 10.0) is None

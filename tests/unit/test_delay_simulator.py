@@ -111,7 +111,7 @@ def test_gpipe_accumulates_four_microbatches_per_update() -> None:
         sync.train_micro(torch.cat([c[0] for c in chunk]), torch.cat([c[1] for c in chunk]))
     for a, b in zip(gpipe.stages, sync.stages):
         for pa, pb in zip(a.parameters(), b.parameters()):
-            torch.testing.assert_close(pa, pb, rtol=1e-4, atol=1e-6)
+            torch.testing.assert_close(pa, pb, rtol=1e-4, atol=1e-5)  # float summation order differs
 
 
 def test_simulate_reports_losses_and_evaluations() -> None:

@@ -200,29 +200,22 @@ def test_round_trip_through_msgpack_turns_tuples_into_lists() -> None:
 # _build converts these with int()/float()/str() without checking, so a malformed spec (from a
 # TOML file or from the DHT) escapes as TypeError / plain ValueError or is silently accepted.
 
-@pytest.mark.xfail(reason="bug: _build converts list/tuple fields with int()/float() unguarded; "
-                          "a non-list raises TypeError, not SpecError", strict=True)
 @pytest.mark.parametrize("data", [{"layer_split": 5}, {"optimizer": {"betas": 0.9}}])
 def test_non_list_for_list_field_raises_spec_error(data: dict) -> None:
     with pytest.raises(SpecError):
         spec_from_dict(data)
 
 
-@pytest.mark.xfail(reason="bug: list elements that are not numbers raise plain ValueError "
-                          "(invalid literal for int()), not SpecError", strict=True)
 def test_non_numeric_list_elements_raise_spec_error() -> None:
     with pytest.raises(SpecError):
         spec_from_dict({"layer_split": ["a", "b"]})
 
 
-@pytest.mark.xfail(reason="bug: optimizer.betas of any length is accepted (e.g. 3 values)", strict=True)
 def test_betas_must_have_two_values() -> None:
     with pytest.raises(SpecError):
         spec_from_dict({"optimizer": {"betas": [0.9, 0.99, 0.5]}})
 
 
-@pytest.mark.xfail(reason="bug: a table given for a string field is stringified (run_id becomes \"{'x': 1}\")",
-                   strict=True)
 def test_table_for_string_field_raises_spec_error() -> None:
     with pytest.raises(SpecError):
         spec_from_dict({"run_id": {"x": 1}})

@@ -1,0 +1,137 @@
+"""Checkpoints: atomic folders of safetensors + JSON, and a gRPC server that hands them out.
+
+Layout under ``--checkpoint-dir``::
+
+    ckpt-000012/stage-0.safetensors   weights and optimizer tensors of stage 0
+    ckpt-000012/stage-0.json          version, optimizer scalars, digest
+    ckpt-000012/manifest.json         step, per-stage versions and digests
+    latest                            "ckpt-000012" (replaced atomically)
+
+A checkpoint is written into a temporary folder and renamed into place, so a
+crash mid-write never leaves a half checkpoint behind ``latest``. A stage that
+could not be pulled this round is carried over from the previous checkpoint.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import grpc
+from safetensors.torch import load_file, save_file
+
+from peer.stage_state import StageState, to_chunks
+from peer.state_transfer import receive_pushed
+from protos import swarm_pb2, swarm_pb2_grpc
+
+log = logging.getLogger("swarmpipe.checkpoints")
+KEEP = 3
+
+
+class CheckpointStore:
+    def __init__(self, root: str | Path, num_stages: int):
+        self.root = Path(root)
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.num_stages = num_stages
+
+    def latest_dir(self) -> Path | None:
+        try:
+            name = (self.root / "latest").read_text().strip()
+        except OSError:
+            return None
+        path = self.root / name
+        return path if path.is_dir() else None
+
+    def manifest(self) -> dict[str, Any] | None:
+        latest = self.latest_dir()
+        if latest is None:
+            return None
+        return json.loads((latest / "manifest.json").read_text())
+
+    def save(self, states: dict[int, StageState]) -> dict[str, Any]:
+        """Write a new checkpoint with ``states``; other stages are carried over from the latest one."""
+        previous = self.latest_dir()
+        old = self.manifest() or {"step": 0, "stages": {}}
+        step = int(old["step"]) + 1
+        name = f"ckpt-{step:06d}"
+        tmp = self.root / f".tmp-{name}-{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+        stages: dict[str, Any] = {}
+        for stage in range(self.num_stages):
+            if stage in states:
+                state = states[stage]
+                save_file({k: v.contiguous() for k, v in state.tensors.items()}, str(tmp / f"stage-{stage}.safetensors"))
+                meta = dict(state.meta, digest=state.digest())
+                (tmp / f"stage-{stage}.json").write_text(json.dumps(meta))
+                stages[str(stage)] = {"version": state.version, "digest": meta["digest"], "saved_at": time.time()}
+            elif previous is not None and str(stage) in old["stages"]:
+                for suffix in (".safetensors", ".json"):
+                    shutil.copy2(previous / f"stage-{stage}{suffix}", tmp / f"stage-{stage}{suffix}")
+                stages[str(stage)] = old["stages"][str(stage)]
+        manifest = {"step": step, "created_at": time.time(), "stages": stages}
+        (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2))
+        os.replace(tmp, self.root / name)
+        pointer = self.root / ".latest.tmp"
+        pointer.write_text(name)
+        os.replace(pointer, self.root / "latest")
+        self._prune(keep=name)
+        return manifest
+
+    def load(self, stage: int) -> StageState | None:
+        latest = self.latest_dir()
+        if latest is None or not (latest / f"stage-{stage}.safetensors").exists():
+            return None
+        tensors = load_file(str(latest / f"stage-{stage}.safetensors"))
+        meta = json.loads((latest / f"stage-{stage}.json").read_text())
+        return StageState(tensors, meta)
+
+    def _prune(self, keep: str) -> None:
+        folders = sorted(p for p in self.root.glob("ckpt-*") if p.is_dir())
+        for path in folders[:-KEEP]:
+            if path.name != keep:
+                shutil.rmtree(path, ignore_errors=True)
+        for stale in self.root.glob(".tmp-*"):
+            shutil.rmtree(stale, ignore_errors=True)
+
+
+class CheckpointServicer(swarm_pb2_grpc.StageServicer):
+    """The coordinator's side of state transfer: serves checkpoints, accepts handed-over state."""
+
+    def __init__(self, store: CheckpointStore, run_id: str, on_saved=None):
+        self.store = store
+        self.run_id = run_id
+        self.on_saved = on_saved
+
+    async def DownloadState(self, request: swarm_pb2.DownloadStateRequest, context: grpc.aio.ServicerContext):
+        if request.run_id != self.run_id:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"wrong run id {request.run_id!r}")
+        state = self.store.load(request.stage)
+        if state is None:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"no checkpoint of stage {request.stage}")
+        try:
+            chunks = to_chunks(state, request.shard, request.num_shards or 1)
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        for chunk in chunks:
+            yield chunk
+
+    async def PushState(self, request_iterator, context: grpc.aio.ServicerContext) -> swarm_pb2.PushStateResponse:
+        try:
+            state = await receive_pushed(request_iterator)
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        stage = int(state.meta.get("stage", -1))
+        if state.meta.get("run_id") != self.run_id or not 0 <= stage < self.store.num_stages:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"state for run {state.meta.get('run_id')!r} stage {stage} does not belong here")
+        manifest = self.store.save({stage: state})
+        if self.on_saved is not None:
+            await self.on_saved(manifest, reason=f"handoff of stage {stage}")
+        return swarm_pb2.PushStateResponse(accepted=True, version=state.version, detail=f"checkpointed as step {manifest['step']}")
+
+    async def Info(self, request: swarm_pb2.InfoRequest, context: grpc.aio.ServicerContext) -> swarm_pb2.InfoResponse:
+        return swarm_pb2.InfoResponse(state="coordinator", stage=-1)

@@ -1,0 +1,82 @@
+"""Moving a stage's state between participants over gRPC.
+
+* :func:`download_state`: a joining peer pulls its stage from live replicas, one
+  shard per donor in parallel (a failed donor's shard is retried on another), or
+  from the coordinator's checkpoint server.
+* :func:`push_state`: a draining peer hands its newest state to a replica or the
+  coordinator.
+Both stream :class:`StateChunk` messages; a stream cut off midway fails cleanly
+with :class:`StateError` and nothing half-loaded is ever used.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Callable
+
+import grpc
+
+from peer.channels import channel_options
+from peer.stage_state import StageState, StateError, assemble, from_chunks, to_chunks
+from protos import swarm_pb2, swarm_pb2_grpc
+
+log = logging.getLogger("swarmpipe.state")
+TRANSFER_TIMEOUT_S = 120.0
+
+
+async def _download_shard(address: str, run_id: str, stage: int, shard: int, num_shards: int,
+                          max_message_mb: int, on_chunk: Callable[[int, int], None] | None):
+    async with grpc.aio.insecure_channel(address, options=channel_options(max_message_mb)) as channel:
+        stub = swarm_pb2_grpc.StageStub(channel)
+        request = swarm_pb2.DownloadStateRequest(run_id=run_id, stage=stage, shard=shard, num_shards=num_shards)
+        chunks = []
+        async for chunk in stub.DownloadState(request, timeout=TRANSFER_TIMEOUT_S):
+            chunks.append(chunk)
+            if on_chunk is not None:
+                on_chunk(chunk.index + 1, chunk.total)
+        return from_chunks(chunks)
+
+
+async def download_state(donors: list[str], run_id: str, stage: int, max_message_mb: int = 64,
+                         on_progress: Callable[[int, int], None] | None = None) -> StageState:
+    """Pull the stage's state split across ``donors`` (addresses); retries a failed shard elsewhere."""
+    if not donors:
+        raise StateError("no donors to download from")
+    num_shards = len(donors)
+    done_chunks = [0] * num_shards
+    totals = [1] * num_shards
+
+    def progress(shard: int) -> Callable[[int, int], None]:
+        def update(received: int, total: int) -> None:
+            done_chunks[shard], totals[shard] = received, total
+            if on_progress is not None:
+                on_progress(sum(done_chunks), sum(totals))
+        return update
+
+    async def fetch(shard: int):
+        errors = []
+        for attempt in range(num_shards):
+            address = donors[(shard + attempt) % num_shards]
+            try:
+                return await _download_shard(address, run_id, stage, shard, num_shards, max_message_mb, progress(shard))
+            except (grpc.aio.AioRpcError, StateError, ValueError, asyncio.TimeoutError) as e:
+                detail = e.details() if isinstance(e, grpc.aio.AioRpcError) else str(e)
+                errors.append(f"{address}: {detail}")
+                log.warning("state shard %d/%d from %s failed: %s", shard, num_shards, address, detail)
+        raise StateError(f"shard {shard} could not be downloaded: {'; '.join(errors)}")
+
+    shards = await asyncio.gather(*(fetch(s) for s in range(num_shards)))
+    return assemble(list(shards))
+
+
+async def push_state(address: str, state: StageState, max_message_mb: int = 64, timeout: float = 60.0) -> swarm_pb2.PushStateResponse:
+    async with grpc.aio.insecure_channel(address, options=channel_options(max_message_mb)) as channel:
+        stub = swarm_pb2_grpc.StageStub(channel)
+        return await stub.PushState(iter(to_chunks(state)), timeout=timeout)
+
+
+async def receive_pushed(request_iterator) -> StageState:
+    """Server side of PushState: collect and validate the whole stream before anything is used."""
+    chunks = [chunk async for chunk in request_iterator]
+    meta, tensors = from_chunks(chunks)
+    return assemble([(meta, tensors)])
