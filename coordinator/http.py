@@ -14,6 +14,9 @@ from importlib import resources
 from typing import Any
 from urllib.parse import urlparse
 
+from coordinator.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from coordinator.metrics import CoordinatorMetrics
+
 log = logging.getLogger("swarmpipe.http")
 
 
@@ -32,6 +35,7 @@ class SwarmHttpServer:
         self.host = host
         self.port = port
         self.httpd: ThreadingHTTPServer | None = None
+        self.metrics = CoordinatorMetrics(coordinator)
 
     def routes(self) -> dict[str, Any]:
         c = self.coordinator
@@ -39,6 +43,7 @@ class SwarmHttpServer:
             "/api/swarm": lambda: ("application/json", json.dumps(c.snapshot).encode()),
             "/api/history": lambda: ("application/json", json.dumps(list(c.history)).encode()),
             "/api/events": lambda: ("application/json", json.dumps(list(c.recent_events)).encode()),
+            "/metrics": lambda: (METRICS_CONTENT_TYPE, self.metrics.render()),
             "/healthz": lambda: ("text/plain", b"ok\n"),
         }
 

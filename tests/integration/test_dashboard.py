@@ -1,0 +1,161 @@
+"""The dashboard in a real browser: headless Chromium renders a training swarm's pipeline and loss curve."""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import time
+from html.parser import HTMLParser
+from pathlib import Path
+
+import pytest
+
+from peer.launch import wait_for
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(420)]
+
+BROWSERS = ("chromium", "chromium-browser", "google-chrome")
+MIN_LOSS_POINTS = 5
+
+
+def _find_browser() -> str | None:
+    for name in BROWSERS:
+        path = shutil.which(name)
+        if path:
+            return path
+    return None
+
+
+@pytest.fixture(scope="module")
+def chromium() -> str:
+    path = _find_browser()
+    if path is None and shutil.which("apt-get"):
+        env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+        try:
+            subprocess.run(["apt-get", "update"], env=env, capture_output=True, timeout=300, check=True)
+            subprocess.run(["apt-get", "install", "-y", "chromium"], env=env, capture_output=True, timeout=600, check=True)
+        except (OSError, subprocess.SubprocessError):
+            pass
+        path = _find_browser()
+    if path is None:
+        pytest.skip("no chromium and `apt-get install -y chromium` failed (not root or offline?)")
+    return path
+
+
+class Browser:
+    def __init__(self, binary: str, workdir: Path):
+        self.binary = binary
+        self.workdir = workdir
+        self.runs = 0
+
+    def _run(self, url: str, *args: str, budget_ms: int = 6000) -> subprocess.CompletedProcess:
+        self.runs += 1
+        profile = self.workdir / f"chromium-profile-{self.runs}"  # fresh: nothing cached between loads
+        cmd = [self.binary, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+               "--disable-background-networking", "--disable-component-update", "--disable-sync",
+               "--disable-dev-shm-usage", f"--user-data-dir={profile}", f"--virtual-time-budget={budget_ms}",
+               *args, url]
+        try:
+            return subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+        finally:
+            shutil.rmtree(profile, ignore_errors=True)
+
+    def dom(self, url: str) -> str:
+        result = self._run(url, "--dump-dom")
+        assert result.returncode == 0, result.stderr[-3000:]
+        return result.stdout
+
+    def screenshot(self, url: str, path: Path) -> None:
+        result = self._run(url, f"--screenshot={path}", "--window-size=1400,900", "--hide-scrollbars")
+        assert result.returncode == 0 and path.exists(), result.stderr[-3000:]
+
+
+class Elements(HTMLParser):
+    """Every start tag with its attributes, in document order."""
+
+    def __init__(self, html: str):
+        super().__init__()
+        self.tags: list[tuple[str, dict[str, str]]] = []
+        self.feed(html)
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        self.tags.append((tag, {k: v or "" for k, v in attrs}))
+
+    def by_class(self, name: str) -> list[dict[str, str]]:
+        return [a for _, a in self.tags if name in a.get("class", "").split()]
+
+    def by_id(self, ident: str) -> dict[str, str] | None:
+        return next((a for _, a in self.tags if a.get("id") == ident), None)
+
+
+def _rendered(browser: Browser, url: str, num_stages: int) -> Elements | None:
+    page = Elements(browser.dom(url))
+    stages = page.by_class("stage")
+    loss = page.by_id("loss-chart") or {}
+    if len(stages) != num_stages or any(s.get("data-replicas") in ("0", None) for s in stages):
+        return None
+    if int(loss.get("data-points", "0")) < MIN_LOSS_POINTS:
+        return None
+    return page
+
+
+def test_dashboard_shows_pipeline_and_loss(swarm, chromium, tmp_path):
+    browser = Browser(chromium, tmp_path)
+    swarm.start_coordinator()
+    peers = [swarm.start_peer(stage, wait=False) for stage in (0, 0, 1)]
+    for p in peers:
+        swarm.wait_ready(p)
+    trainer, _report = swarm.start_trainer(5000)  # far more than the test needs: it never waits for the end
+
+    def loss_points() -> int:
+        points = [h for h in swarm.api("/api/history") if h.get("loss") is not None]
+        return len(points) if len(points) >= MIN_LOSS_POINTS else 0
+
+    wait_for(loss_points, 180, f"{MIN_LOSS_POINTS} loss points in /api/history", poll=1.0, procs=[trainer])
+    url = swarm.url + "/"
+    page = wait_for(lambda: _rendered(browser, url, 2), 120, "the dashboard to render every stage and a loss curve",
+                    poll=1.0)
+
+    # Stage and replica counts match the API the page was drawn from (membership is stable here).
+    api = swarm.api()
+    stages = page.by_class("stage")
+    assert [s["data-index"] for s in stages] == [str(s["index"]) for s in api["stages"]]
+    assert [int(s["data-replicas"]) for s in stages] == [len(s["peers"]) for s in api["stages"]] == [2, 1]
+    replicas = page.by_class("replica")
+    assert len(replicas) == sum(len(s["peers"]) for s in api["stages"]) == 3
+    assert {r["data-peer-id"] for r in replicas} == {p["peer_id"] for s in api["stages"] for p in s["peers"]}
+    assert all(r["data-state"] in ("joining", "online", "draining") for r in replicas)
+    pipeline = page.by_id("pipeline")
+    assert pipeline is not None and pipeline["data-stages"] == "2" and pipeline["data-replicas"] == "3"
+    # Exactly one stage is marked as the bottleneck, and the pipeline says which.
+    bottlenecks = page.by_class("bottleneck")
+    marked = [s for s in stages if "bottleneck" in s["class"].split()]
+    assert len(marked) == 1 and marked[0]["data-bottleneck"] == "true", bottlenecks
+    assert pipeline["data-bottleneck"] == marked[0]["data-index"]
+    # Charts and events.
+    assert int(page.by_id("loss-chart")["data-points"]) >= MIN_LOSS_POINTS
+    assert int(page.by_id("sps-chart")["data-points"]) >= 2
+    joined = [e for e in page.by_class("event") if e.get("data-kind") == "peer_joined"]
+    assert len(joined) >= 3, page.by_class("event")
+    assert len(page.by_class("trainer")) >= 1
+
+    shot = tmp_path / "dashboard.png"
+    browser.screenshot(url, shot)
+    assert shot.stat().st_size > 20_000, shot.stat().st_size  # a rendered page, not a blank one
+    if os.environ.get("SWARMPIPE_SCREENSHOT_DIR"):
+        shutil.copy(shot, Path(os.environ["SWARMPIPE_SCREENSHOT_DIR"]) / f"dashboard-{int(time.time())}.png")
+
+
+def test_dashboard_assets_are_local(swarm):
+    """Every script and stylesheet the page loads comes from the coordinator itself (no CDN)."""
+    import urllib.request
+
+    swarm.start_coordinator()
+    with urllib.request.urlopen(swarm.url + "/", timeout=10) as response:
+        html = response.read().decode()
+    page = Elements(html)
+    assets = [a.get("src") or a.get("href") for tag, a in page.tags if tag in ("script", "link")]
+    assert assets and all(a and "//" not in a for a in assets), assets
+    for asset in assets:
+        with urllib.request.urlopen(f"{swarm.url}/{asset}", timeout=10) as response:
+            assert response.status == 200 and response.read(), asset
