@@ -44,6 +44,7 @@ class PeerConfig(CommonConfig):
 @dataclass
 class TrainerConfig(CommonConfig):
     steps: int = opt(200, "micro-batches to complete")
+    max_time: float = opt(0.0, "stop after this many seconds of training (0: no limit); in-flight work still finishes")
     in_flight: int = opt(0, "micro-batches in flight (0: two per stage)")
     data: str = opt("", "text file or folder to train on (default: the Python standard library's source)")
     report: str = opt("", "write a JSON report here at the end")

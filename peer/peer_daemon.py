@@ -19,7 +19,7 @@ from peer.stage_runtime import StageRuntime
 from peer.stage_state import StateError, export_state, import_state
 from peer.state_transfer import download_state, push_state
 from peer.stage_server import StageServicer, start_server
-from peer.swarm_dht import SwarmDHT, start_dht
+from peer.swarm_dht import SwarmDHT, reconnect_bootstrap, start_dht
 
 log = logging.getLogger("swarmpipe.peer")
 
@@ -35,6 +35,7 @@ class PeerDaemon:
         self.server = None
         self.address = ""
         self.metrics_address = ""
+        self.initial_peers: list[str] = []
 
     # ------------------------------------------------------------ lifecycle
     async def run(self) -> int:
@@ -43,7 +44,7 @@ class PeerDaemon:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.stop_requested.set)
-        initial = resolve_initial_peers(cfg.initial_peers, cfg.swarm)
+        initial = self.initial_peers = resolve_initial_peers(cfg.initial_peers, cfg.swarm)
         self.dht = await asyncio.to_thread(start_dht, initial, cfg.host, cfg.dht_port, None, cfg.announce_host or None)
         try:
             return await self._serve()
@@ -182,6 +183,8 @@ class PeerDaemon:
                 await self._announce()
                 if rounds % 10 == 0:  # keep the spec alive while the coordinator is down
                     await self.swarm.publish_spec(self.servicer.spec, ttl=3600)
+                if rounds % 3 == 0:  # find a restarted coordinator again
+                    await reconnect_bootstrap(self.dht, self.initial_peers)
             except Exception as e:  # the DHT hiccups; the next period tries again
                 log.warning("peer %s announce failed: %s", self.events.peer_id[-6:], e)
 

@@ -11,6 +11,7 @@ import asyncio
 import json
 import logging
 import os
+import signal
 import time
 from dataclasses import dataclass, field
 
@@ -23,7 +24,7 @@ from peer.events import EventLog
 from peer.microbatch import MicrobatchRunner
 from peer.records import TrainerRecord, now
 from peer.routing import Router
-from peer.swarm_dht import SwarmDHT, start_dht
+from peer.swarm_dht import SwarmDHT, reconnect_bootstrap, start_dht
 
 log = logging.getLogger("swarmpipe.trainer")
 REFRESH_PERIOD_S = 2.0
@@ -55,11 +56,16 @@ class Trainer:
         self.events = EventLog(cfg.event_log, "trainer")
         self.progress = Progress()
         self.dht = None
+        self.initial_peers: list[str] = []
 
     async def run(self) -> dict:
         cfg = self.cfg
         torch.set_num_threads(max(1, cfg.threads))
-        initial = resolve_initial_peers(cfg.initial_peers, cfg.swarm)
+        # SIGTERM / Ctrl-C: stop starting micro-batches, finish those in flight, write the report.
+        self.stop_requested = asyncio.Event()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            asyncio.get_running_loop().add_signal_handler(sig, self.stop_requested.set)
+        initial = self.initial_peers = resolve_initial_peers(cfg.initial_peers, cfg.swarm)
         self.dht = await asyncio.to_thread(start_dht, initial, cfg.host, 0)
         try:
             return await self._train()
@@ -112,12 +118,17 @@ class Trainer:
         target = self.cfg.steps
         tasks: set[asyncio.Task] = set()
         last_event = 0.0
+        deadline = time.monotonic() + self.cfg.max_time if self.cfg.max_time > 0 else float("inf")
         while p.completed + p.dropped_stale + p.failed < target:
+            if self.stop_requested.is_set() or time.monotonic() > deadline:
+                self.events.emit("stopping", step=p.completed, in_flight=len(tasks),
+                                 reason="signal" if self.stop_requested.is_set() else "max_time")
+                break
             while len(tasks) < in_flight and p.started < target:
                 inputs, targets = sampler.next()
                 p.started += 1
                 tasks.add(asyncio.create_task(runner.run(f"{self.events.peer_id[-8:]}-{p.started}", inputs, targets)))
-            done, tasks = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+            done, tasks = await asyncio.wait(tasks, timeout=1.0, return_when=asyncio.FIRST_COMPLETED)
             for task in done:
                 task.result()  # a runner never raises except on a fatal error: let it surface
             if bar is not None:
@@ -158,8 +169,12 @@ class Trainer:
                              microbatches_lost=self._lost(), updated_at=now())
 
     async def _announce_loop(self, swarm: SwarmDHT, microbatch_size: int) -> None:
+        rounds = 0
         while True:
+            rounds += 1
             try:
+                if rounds % 3 == 0:  # find a restarted coordinator again
+                    await reconnect_bootstrap(self.dht, self.initial_peers)
                 await swarm.announce_trainer(self._record(microbatch_size), ttl=3 * self.cfg.announce_period)
             except Exception as e:
                 log.warning("trainer announce failed: %s", e)

@@ -148,9 +148,10 @@ def wait_step(swarm: Swarm, step: int, trainer: Launched, timeout: float = 180) 
     return newest()
 
 
-def assert_trained(report: dict, steps: int) -> None:
+def assert_trained(report: dict, min_steps: int) -> None:
     """The invariants every fault scenario ends with."""
+    report = {k: v for k, v in report.items() if k != "losses"}
     assert report["microbatches_lost"] == 0, report
     assert report["microbatches_completed"] + report["microbatches_dropped_stale"] == report["microbatches_started"], report
-    assert report["microbatches_completed"] >= steps * 0.9, report
+    assert report["microbatches_completed"] >= min_steps, report
     assert report["loss_last"] < report["loss_first"] - 0.3, (report["loss_first"], report["loss_last"])

@@ -18,8 +18,9 @@ from conftest import assert_trained, events_of, kill_tree, wait_step
 
 pytestmark = [pytest.mark.fault, pytest.mark.timeout(360)]
 
-# Long enough (tens of seconds on 2 cores) that every fault lands mid-run.
-STEPS = 1000
+# The trainer runs for RUN_S seconds whatever the machine's speed, so every fault lands mid-run.
+STEPS = 1_000_000
+RUN_S = 45
 
 
 def test_sigkill_one_replica(swarm):
@@ -29,11 +30,11 @@ def test_sigkill_one_replica(swarm):
     survivor = swarm.start_peer(1, wait=False)
     for p in swarm.group.procs[1:]:
         swarm.wait_ready(p)
-    trainer, report_path = swarm.start_trainer(STEPS, "--call-timeout", "10")
+    trainer, report_path = swarm.start_trainer(STEPS, "--max-time", str(RUN_S), "--call-timeout", "10")
     wait_step(swarm, 60, trainer)
     kill_tree(victim)
     report = swarm.wait_report(trainer, report_path, timeout=300)
-    assert_trained(report, steps=STEPS)
+    assert_trained(report, min_steps=150)
     assert survivor.alive()
 
 
@@ -43,7 +44,7 @@ def test_sigkill_only_replica_recovers_from_checkpoint(swarm):
     victim = swarm.start_peer(1, wait=False)
     for p in swarm.group.procs[1:]:
         swarm.wait_ready(p)
-    trainer, report_path = swarm.start_trainer(STEPS, "--call-timeout", "10")
+    trainer, report_path = swarm.start_trainer(STEPS, "--max-time", str(RUN_S), "--call-timeout", "10")
     wait_step(swarm, 60, trainer)
     wait_for(lambda: (swarm.api().get("checkpoint") or {}).get("stages", {}).get("1", {}).get("version", 0) > 10,
              60, "a checkpoint of stage 1")
@@ -55,7 +56,7 @@ def test_sigkill_only_replica_recovers_from_checkpoint(swarm):
     assert loaded and loaded[0]["source"] == "checkpoint", events_of(swarm, "state_loaded")
     assert loaded[0]["version"] > 10
     report = swarm.wait_report(trainer, report_path, timeout=300)
-    assert_trained(report, steps=STEPS)
+    assert_trained(report, min_steps=150)
     waits = [e for e in events_of(swarm, "waiting_for_replica") if e["time"] > time.time() - (time.monotonic() - killed_at) - 5]
     assert waits, "the trainer should have said it was waiting for stage 1"
 
@@ -66,7 +67,7 @@ def test_sigstop_replica_is_routed_around_and_rejoins(swarm):
     frozen = swarm.start_peer(1, wait=False)
     swarm.start_peer(1, wait=False)
     infos = [swarm.wait_ready(p) for p in swarm.group.procs[1:]]
-    trainer, report_path = swarm.start_trainer(STEPS, "--call-timeout", "5")
+    trainer, report_path = swarm.start_trainer(STEPS, "--max-time", str(RUN_S), "--call-timeout", "5")
     wait_step(swarm, 60, trainer)
     os.killpg(frozen.proc.pid, signal.SIGSTOP)
     stopped_at_step = wait_step(swarm, 0, trainer)
@@ -81,7 +82,7 @@ def test_sigstop_replica_is_routed_around_and_rejoins(swarm):
         return peers.get(frozen_id, {}).get("state") == "online"
     wait_for(rejoined, 60, "the frozen replica to be listed online again")
     report = swarm.wait_report(trainer, report_path, timeout=300)
-    assert_trained(report, steps=STEPS)
+    assert_trained(report, min_steps=150)
     assert report["microbatches_retried"] > 0
 
 
@@ -91,7 +92,7 @@ def test_sigterm_drains_and_hands_state_to_replica(swarm):
     leaving = swarm.start_peer(1, wait=False, name="leaving")
     staying = swarm.start_peer(1, wait=False, name="staying")
     infos = {p.name: swarm.wait_ready(p) for p in swarm.group.procs[1:]}
-    trainer, report_path = swarm.start_trainer(STEPS, "--call-timeout", "10")
+    trainer, report_path = swarm.start_trainer(STEPS, "--max-time", str(RUN_S), "--call-timeout", "10")
     wait_step(swarm, 60, trainer)
     leaving.signal(signal.SIGTERM)
     t0 = time.monotonic()
@@ -103,7 +104,7 @@ def test_sigterm_drains_and_hands_state_to_replica(swarm):
     received = [e for e in events_of(swarm, "state_received") if e["peer_id"] == infos["staying"]["peer_id"]]
     assert received and received[0]["from_version"] == handoff[0]["version"] > 0
     report = swarm.wait_report(trainer, report_path, timeout=300)
-    assert_trained(report, steps=STEPS)
+    assert_trained(report, min_steps=150)
 
 
 def test_peer_joins_mid_run_with_replica_weights(swarm):
@@ -111,7 +112,7 @@ def test_peer_joins_mid_run_with_replica_weights(swarm):
     swarm.start_peer(0, wait=False)
     donor = swarm.start_peer(1, wait=False)
     donor_info = [swarm.wait_ready(p) for p in swarm.group.procs[1:]][1]
-    trainer, report_path = swarm.start_trainer(STEPS, "--call-timeout", "10")
+    trainer, report_path = swarm.start_trainer(STEPS, "--max-time", str(RUN_S), "--call-timeout", "10")
     wait_step(swarm, 60, trainer)
     os.killpg(trainer.proc.pid, signal.SIGSTOP)  # hold training still so both weights can be compared
     try:
@@ -128,5 +129,5 @@ def test_peer_joins_mid_run_with_replica_weights(swarm):
     finally:
         os.killpg(trainer.proc.pid, signal.SIGCONT)
     report = swarm.wait_report(trainer, report_path, timeout=300)
-    assert_trained(report, steps=STEPS)
+    assert_trained(report, min_steps=150)
     assert donor.alive()
