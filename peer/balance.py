@@ -2,8 +2,10 @@
 from __future__ import annotations
 
 import random
+from typing import Callable
 
 from peer.records import StageRecord
+from peer.spec import RunSpec
 
 NEW_PEER_THROUGHPUT = 1.0  # a replica that has not measured yet still counts for something
 
@@ -26,10 +28,22 @@ def choose_stage(stages: list[dict[str, StageRecord]], rng: random.Random | None
     return rng.choice(candidates)
 
 
+def stage_cost(spec: RunSpec, stage: int) -> float:
+    """Relative compute of a stage: its blocks, plus embeddings on the first and norm+head+loss on the last."""
+    cost = float(len(spec.block_range(stage)))
+    if stage == 0:
+        cost += 0.25
+    if stage == spec.num_stages - 1:
+        cost += 0.5 + spec.model.vocab_size / (4 * spec.model.d_model)
+    return max(cost, 0.25)
+
+
 def rebalance_target(stages: list[dict[str, StageRecord]], my_stage: int, my_peer_id: str,
-                     my_throughput: float, margin: float = 1.25) -> int | None:
+                     my_throughput: float, margin: float = 1.25,
+                     estimate: Callable[[int], float] | None = None) -> int | None:
     """Stage to move to, or None. Moving must raise the slowest stage by ``margin`` (hysteresis)
-    and must not make the stage we leave the new bottleneck, so peers do not flap."""
+    and must not make the stage we leave the new bottleneck, so peers do not flap.
+    ``estimate(target)`` is our throughput there (default: the same as here)."""
     totals = stage_throughputs(stages)
     live_here = [pid for pid, r in stages[my_stage].items() if r.state != "draining"]
     if len(live_here) < 2 or my_peer_id not in live_here:
@@ -39,7 +53,7 @@ def rebalance_target(stages: list[dict[str, StageRecord]], my_stage: int, my_pee
         return None
     after = list(totals)
     after[my_stage] -= my_throughput
-    after[slowest] += my_throughput
+    after[slowest] += estimate(slowest) if estimate is not None else my_throughput
     if min(after) >= margin * totals[slowest]:
         return slowest
     return None

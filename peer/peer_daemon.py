@@ -16,8 +16,8 @@ from peer.events import EventLog
 from peer.metrics import PeerMetrics
 from peer.records import StageRecord, now
 from peer.stage_runtime import StageRuntime
-from peer.stage_state import StateError, export_state, import_state
-from peer.state_transfer import download_state, push_state
+from peer.state_sources import hand_off_state, load_initial_state
+from peer.rebalancer import Rebalancer
 from peer.stage_server import StageServicer, start_server
 from peer.swarm_dht import SwarmDHT, reconnect_bootstrap, start_dht
 
@@ -77,16 +77,21 @@ class PeerDaemon:
             self.metrics_address = f"{cfg.announce_host or cfg.host}:{metrics.serve(cfg.metrics_port, cfg.host)}"
         await self._announce()  # visible as "joining" while state arrives
         if cfg.state_download:
-            await self._load_initial_state()
+            await load_initial_state(self.swarm, runtime, self.servicer.executor, self.events)
         self.servicer.state = "online"
         await self._announce()
         self.events.emit("online", stage=stage, address=self.address, metrics=self.metrics_address or "-")
         self._write_ready(run_id, stage, peer_id)
-        announcer = asyncio.create_task(self._announce_loop())
+        background = [asyncio.create_task(self._announce_loop())]
+        if cfg.rebalance_period > 0:
+            background.append(asyncio.create_task(Rebalancer(self).run()))
         await self.stop_requested.wait()
+        for task in background[1:]:
+            task.cancel()  # no move may start while we leave
         await self._drain()
-        announcer.cancel()
-        self.events.emit("stopped", stage=stage, version=runtime.version, steps=runtime.stats.steps)
+        background[0].cancel()
+        runtime = self.servicer.runtime
+        self.events.emit("stopped", stage=runtime.stage, version=runtime.version, steps=runtime.stats.steps)
         return 0
 
     async def _pick_run(self) -> str:
@@ -99,80 +104,43 @@ class PeerDaemon:
         self.events.emit("run_chosen", run_id=chosen, candidates=len(runs))
         return chosen
 
-    async def _load_initial_state(self) -> None:
-        """Newest state from live replicas (split across them), else the coordinator's checkpoint, else the seed."""
-        runtime = self.servicer.runtime
-        spec = runtime.spec
-        peers = await self.swarm.stage_peers(runtime.stage)
-        donors = [r.address for pid, r in peers.items() if pid != self.events.peer_id and r.state == "online"]
-        sources: list[tuple[str, list[str]]] = [("replicas", donors[:4])] if donors else []
-        checkpoint = await self.swarm.checkpoint()
-        if checkpoint is not None and checkpoint.url and runtime.stage < len(checkpoint.versions) \
-                and checkpoint.versions[runtime.stage] >= 0:
-            sources.append(("checkpoint", [checkpoint.url]))
-        for source, addresses in sources:
-            started = asyncio.get_running_loop().time()
-            bar = _DownloadProgress(self.events, source)
-            try:
-                state = await download_state(addresses, spec.run_id, runtime.stage, spec.limits.max_message_mb,
-                                             on_progress=bar.update)
-                await asyncio.get_running_loop().run_in_executor(self.servicer.executor, import_state, runtime, state)
-            except (StateError, ValueError) as e:
-                self.events.emit("state_download_failed", level=logging.WARNING, source=source, error=str(e)[:300])
-                continue
-            finally:
-                bar.close()
-            self.events.emit("state_loaded", source=source, donors=len(addresses), version=runtime.version,
-                             digest=state.digest(), seconds=round(asyncio.get_running_loop().time() - started, 2))
-            return
-        self.events.emit("state_from_seed", seed=spec.seed)
-
-    async def _hand_off_state(self) -> None:
-        """Give our newest state to a live replica (it averages it in), else to the coordinator."""
-        runtime = self.servicer.runtime
-        loop = asyncio.get_running_loop()
-        state = await loop.run_in_executor(self.servicer.executor, export_state, runtime)
-        peers = await self.swarm.stage_peers(runtime.stage)
-        targets = [("replica", r.address) for pid, r in peers.items() if pid != self.events.peer_id and r.state == "online"]
-        checkpoint = await self.swarm.checkpoint()
-        if checkpoint is not None and checkpoint.url:
-            targets.append(("coordinator", checkpoint.url))
-        for kind, address in targets:
-            try:
-                reply = await push_state(address, state, runtime.spec.limits.max_message_mb, timeout=30)
-            except Exception as e:  # unreachable target: try the next one
-                self.events.emit("handoff_failed", level=logging.WARNING, target=kind, address=address, error=str(e)[:200])
-                continue
-            self.events.emit("handoff", target=kind, address=address, version=state.version, digest=state.digest(),
-                             detail=reply.detail)
-            return
-        self.events.emit("handoff_skipped", level=logging.WARNING, reason="no live replica or coordinator")
-
-    async def _drain(self) -> None:
-        """Refuse new work, finish what we hold (bounded by --drain-timeout), say goodbye."""
+    async def finish_in_flight(self) -> float:
+        """Refuse new work and wait (bounded by --drain-timeout) for what we hold; returns the deadline."""
         servicer = self.servicer
         servicer.state = "draining"
-        self.events.emit("draining", pending=len(servicer.runtime.pending), timeout=self.cfg.drain_timeout)
+        self.events.emit("draining", stage=servicer.runtime.stage, pending=len(servicer.runtime.pending),
+                         timeout=self.cfg.drain_timeout)
         await self._announce()
         deadline = asyncio.get_running_loop().time() + self.cfg.drain_timeout
         while (servicer.runtime.pending or servicer.in_flight) and asyncio.get_running_loop().time() < deadline:
             await asyncio.sleep(0.1)
         self.events.emit("drained", unfinished=len(servicer.runtime.pending), version=servicer.runtime.version)
+        return deadline
+
+    async def _drain(self) -> None:
+        """Refuse new work, finish what we hold, hand our state on, say goodbye."""
+        servicer = self.servicer
+        deadline = await self.finish_in_flight()
         if servicer.runtime.version > 0:
             remaining = max(1.0, deadline + 10.0 - asyncio.get_running_loop().time())
             try:
-                await asyncio.wait_for(self._hand_off_state(), remaining)
+                await asyncio.wait_for(hand_off_state(self.swarm, servicer.runtime, servicer.executor, self.events), remaining)
             except asyncio.TimeoutError:
                 self.events.emit("handoff_failed", level=logging.WARNING, error="timed out")
 
     # ------------------------------------------------------------ announcing
-    def record(self) -> StageRecord:
+    def record(self, state: str | None = None, throughput: float | None = None) -> StageRecord:
         s = self.servicer
-        return StageRecord(address=self.address, state=s.state, throughput=s.runtime.throughput(), queue=s.queue,
-                           version=s.runtime.version, updated_at=now(), metrics_address=self.metrics_address)
+        return StageRecord(address=self.address, state=state or s.state, queue=s.queue, version=s.runtime.version,
+                           throughput=s.runtime.throughput() if throughput is None else throughput,
+                           updated_at=now(), metrics_address=self.metrics_address)
 
     async def _announce(self) -> None:
         await self.swarm.announce_stage(self.servicer.runtime.stage, self.record(), ttl=3 * self.cfg.announce_period)
+
+    async def announce_other(self, stage: int, record: StageRecord) -> None:
+        """Announce under a stage we are moving to or leaving (rebalancing)."""
+        await self.swarm.announce_stage(stage, record, ttl=3 * self.cfg.announce_period)
 
     async def _announce_loop(self) -> None:
         rounds = 0
@@ -198,26 +166,3 @@ class PeerDaemon:
             json.dump(info, f)
         os.replace(tmp, self.cfg.ready_file)
 
-
-class _DownloadProgress:
-    """A progress bar for state download on a terminal; an event with the size otherwise."""
-
-    def __init__(self, events: EventLog, source: str):
-        self.events = events
-        self.source = source
-        self.bar = None
-        self.interactive = os.isatty(2)
-
-    def update(self, received: int, total: int) -> None:
-        if not self.interactive:
-            return
-        if self.bar is None:
-            from tqdm import tqdm
-            self.bar = tqdm(total=total, desc=f"state from {self.source}", unit="chunk", leave=False)
-        self.bar.total = total
-        self.bar.n = received
-        self.bar.refresh()
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()

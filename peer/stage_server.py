@@ -49,6 +49,13 @@ class StageServicer(swarm_pb2_grpc.StageServicer):
         self._reported_version = runtime.version
         self.on_state_pushed: Callable[[StageState], None] | None = None  # hook for the event log
 
+    def swap_runtime(self, runtime: StageRuntime) -> None:
+        """Serve another stage from now on (rebalancing); the old runtime must be drained first."""
+        self.runtime = runtime
+        self.spec = runtime.spec
+        self._reported_version = runtime.version
+        self.metrics.version.set(runtime.version)
+
     # ------------------------------------------------------------ validation
     def _check_header(self, run_id: str, stage: int, microbatch_id: str | None = None) -> None:
         if run_id != self.spec.run_id:

@@ -13,6 +13,7 @@ import logging
 import os
 import signal
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 import torch
@@ -40,10 +41,20 @@ class Progress:
     failed: int = 0
     losses: list[float] = field(default_factory=list)
     t0: float = field(default_factory=time.monotonic)
+    marks: deque = field(default_factory=deque)
 
     def samples_per_s(self, microbatch_size: int) -> float:
         elapsed = time.monotonic() - self.t0
         return self.completed * microbatch_size / elapsed if elapsed > 0 else 0.0
+
+    def recent_samples_per_s(self, microbatch_size: int, window_s: float = 10.0) -> float:
+        """Rate over the last ``window_s`` seconds: what the swarm does now, not since the start."""
+        t = time.monotonic()
+        self.marks.append((t, self.completed))
+        while len(self.marks) > 2 and self.marks[1][0] < t - window_s:
+            self.marks.popleft()
+        t0, c0 = self.marks[0]
+        return (self.completed - c0) * microbatch_size / (t - t0) if t > t0 else 0.0
 
     def loss_ema(self) -> float | None:
         window = self.losses[-LOSS_WINDOW:]
@@ -140,6 +151,7 @@ class Trainer:
                 last_event = time.monotonic()
                 self.events.emit("progress", level=logging.DEBUG, step=p.completed, loss=p.loss_ema(),
                                  samples_per_s=round(p.samples_per_s(runner.spec.microbatch_size), 2),
+                                 recent_samples_per_s=round(p.recent_samples_per_s(runner.spec.microbatch_size), 2),
                                  retried=p.retried, target=target)
         if tasks:
             await asyncio.gather(*tasks)

@@ -1,0 +1,78 @@
+"""Rebalancing: a peer moves to the slowest stage when that clearly raises the pipeline's throughput.
+
+Every randomized period (so peers do not decide in lockstep), a peer reads every
+stage's total throughput; :func:`peer.balance.rebalance_target` applies the
+hysteresis. A move: announce ``joining`` on the target stage at once (so other
+peers count us there and do not pile on), load the target's state while still
+serving the old stage, then drain the old stage, hand its state to a replica,
+and switch. A cooldown after each move stops flapping.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+
+from peer.balance import rebalance_target, stage_cost
+from peer.stage_runtime import StageRuntime
+from peer.state_sources import hand_off_state, load_initial_state
+
+log = logging.getLogger("swarmpipe.rebalance")
+COOLDOWN_PERIODS = 4
+
+
+class Rebalancer:
+    def __init__(self, daemon, rng: random.Random | None = None):
+        self.daemon = daemon
+        self.rng = rng or random.Random()
+        self.cooldown = 0
+
+    async def run(self) -> None:
+        period = self.daemon.cfg.rebalance_period
+        while True:
+            await asyncio.sleep(period * self.rng.uniform(0.5, 1.5))
+            if self.cooldown > 0:
+                self.cooldown -= 1
+                continue
+            try:
+                target = await self.check()
+                if target is not None:
+                    await self.move(target)
+                    self.cooldown = COOLDOWN_PERIODS
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # a failed check or move leaves us serving where we are
+                self.daemon.events.emit("rebalance_failed", level=logging.WARNING, error=str(e)[:300])
+
+    async def check(self) -> int | None:
+        servicer = self.daemon.servicer
+        if servicer.state != "online":
+            return None
+        runtime = servicer.runtime
+        spec = runtime.spec
+        stages = await self.daemon.swarm.all_stages(spec.num_stages)
+        mine = runtime.throughput()
+        if mine <= 0:
+            return None  # not measured yet
+        # What we would do there: our measured speed scaled by the relative cost of the stages.
+        def estimate(target: int) -> float:
+            return mine * stage_cost(spec, runtime.stage) / stage_cost(spec, target)
+        return rebalance_target(stages, runtime.stage, self.daemon.events.peer_id, mine, estimate=estimate)
+
+    async def move(self, target: int) -> None:
+        daemon = self.daemon
+        servicer = daemon.servicer
+        old = servicer.runtime
+        spec = old.spec
+        estimate = old.throughput() * stage_cost(spec, old.stage) / stage_cost(spec, target)
+        daemon.events.emit("rebalancing", from_stage=old.stage, to_stage=target, estimate=round(estimate, 2))
+        await daemon.announce_other(target, daemon.record(state="joining", throughput=estimate))
+        new = await asyncio.get_running_loop().run_in_executor(servicer.executor, StageRuntime, spec, target)
+        await load_initial_state(daemon.swarm, new, servicer.executor, daemon.events)
+        await daemon.finish_in_flight()  # old stage: refuse new work, finish what we hold
+        await hand_off_state(daemon.swarm, old, servicer.executor, daemon.events)
+        servicer.swap_runtime(new)
+        servicer.state = "online"
+        await daemon.announce_other(old.stage, daemon.record(state="draining", throughput=0.0))
+        await daemon.announce_other(target, daemon.record())
+        daemon.events.emit("rebalanced", from_stage=old.stage, to_stage=target, version=new.version)

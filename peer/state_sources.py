@@ -1,0 +1,90 @@
+"""Where a stage's state comes from when a peer starts serving it, and where it goes when it leaves."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from concurrent.futures import Executor
+
+from peer.events import EventLog
+from peer.stage_runtime import StageRuntime
+from peer.stage_state import StateError, export_state, import_state
+from peer.state_transfer import download_state, push_state
+from peer.swarm_dht import SwarmDHT
+
+MAX_DONORS = 4
+
+
+async def load_initial_state(swarm: SwarmDHT, runtime: StageRuntime, executor: Executor, events: EventLog) -> str:
+    """Newest state from live replicas (split across them), else the coordinator's checkpoint, else the seed.
+    Returns the source used."""
+    spec = runtime.spec
+    loop = asyncio.get_running_loop()
+    peers = await swarm.stage_peers(runtime.stage)
+    donors = [r.address for pid, r in peers.items() if pid != events.peer_id and r.state == "online"]
+    sources: list[tuple[str, list[str]]] = [("replicas", donors[:MAX_DONORS])] if donors else []
+    checkpoint = await swarm.checkpoint()
+    if checkpoint is not None and checkpoint.url and runtime.stage < len(checkpoint.versions) \
+            and checkpoint.versions[runtime.stage] >= 0:
+        sources.append(("checkpoint", [checkpoint.url]))
+    for source, addresses in sources:
+        started = loop.time()
+        bar = DownloadProgress(source)
+        try:
+            state = await download_state(addresses, spec.run_id, runtime.stage, spec.limits.max_message_mb,
+                                         on_progress=bar.update)
+            await loop.run_in_executor(executor, import_state, runtime, state)
+        except (StateError, ValueError) as e:
+            events.emit("state_download_failed", level=logging.WARNING, source=source, error=str(e)[:300])
+            continue
+        finally:
+            bar.close()
+        events.emit("state_loaded", stage=runtime.stage, source=source, donors=len(addresses), version=runtime.version,
+                    digest=state.digest(), seconds=round(loop.time() - started, 2))
+        return source
+    events.emit("state_from_seed", stage=runtime.stage, seed=spec.seed)
+    return "seed"
+
+
+async def hand_off_state(swarm: SwarmDHT, runtime: StageRuntime, executor: Executor, events: EventLog) -> str | None:
+    """Give our newest state to a live replica (it averages it in), else to the coordinator (it checkpoints it)."""
+    state = await asyncio.get_running_loop().run_in_executor(executor, export_state, runtime)
+    peers = await swarm.stage_peers(runtime.stage)
+    targets = [("replica", r.address) for pid, r in peers.items() if pid != events.peer_id and r.state == "online"]
+    checkpoint = await swarm.checkpoint()
+    if checkpoint is not None and checkpoint.url:
+        targets.append(("coordinator", checkpoint.url))
+    for kind, address in targets:
+        try:
+            reply = await push_state(address, state, runtime.spec.limits.max_message_mb, timeout=30)
+        except Exception as e:  # unreachable target: try the next one
+            events.emit("handoff_failed", level=logging.WARNING, target=kind, address=address, error=str(e)[:200])
+            continue
+        events.emit("handoff", stage=runtime.stage, target=kind, address=address, version=state.version,
+                    digest=state.digest(), detail=reply.detail)
+        return kind
+    events.emit("handoff_skipped", level=logging.WARNING, reason="no live replica or coordinator")
+    return None
+
+
+class DownloadProgress:
+    """A progress bar for a state download when stderr is a terminal (logs get the summary event)."""
+
+    def __init__(self, source: str):
+        self.source = source
+        self.bar = None
+        self.interactive = os.isatty(2)
+
+    def update(self, received: int, total: int) -> None:
+        if not self.interactive:
+            return
+        if self.bar is None:
+            from tqdm import tqdm
+            self.bar = tqdm(total=total, desc=f"state from {self.source}", unit="chunk", leave=False)
+        self.bar.total = total
+        self.bar.n = received
+        self.bar.refresh()
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()

@@ -1,0 +1,44 @@
+"""Three peers on a light stage, one on a heavy stage: a peer moves to the heavy stage and throughput rises."""
+from __future__ import annotations
+
+import pytest
+
+from conftest import assert_trained, events_of
+
+pytestmark = [pytest.mark.fault, pytest.mark.timeout(300)]
+
+
+def _rate_between(progress: list[dict], t_from: float, t_to: float) -> float:
+    """Micro-batches per second the trainer completed between two wall-clock times."""
+    inside = [e for e in progress if t_from <= e["time"] <= t_to]
+    if len(inside) < 2:
+        return 0.0
+    return (inside[-1]["step"] - inside[0]["step"]) / (inside[-1]["time"] - inside[0]["time"])
+
+
+def test_peer_moves_to_the_bottleneck_stage(swarm):
+    # Stage 1 holds three blocks plus the head: far more work than stage 0's single block.
+    spec = swarm.write_spec(num_stages=2, n_layers=4, extra="layer_split = [1, 3]\n")
+    swarm.start_coordinator(spec)
+    peers = [swarm.start_peer(stage, "--rebalance-period", "12", wait=False) for stage in (0, 0, 0, 1)]
+    for p in peers:
+        swarm.wait_ready(p)
+    trainer, report_path = swarm.start_trainer(1_000_000, "--max-time", "75", "--call-timeout", "10")
+    report = swarm.wait_report(trainer, report_path, timeout=200)
+    assert_trained(report, min_steps=150)
+
+    moves = events_of(swarm, "rebalanced")
+    assert moves, f"no peer rebalanced; checks: {events_of(swarm, 'rebalance_failed')}"
+    assert all(m["from_stage"] == 0 and m["to_stage"] == 1 for m in moves), moves
+    assert len(moves) <= 2, "hysteresis: at most a peer or two should move, not the whole stage"
+    started = events_of(swarm, "training")[0]["time"]
+    first_move = min(e["time"] for e in events_of(swarm, "rebalancing"))
+    done = max(m["time"] for m in moves)
+    finished = events_of(swarm, "finished")[0]["time"]
+    progress = events_of(swarm, "progress")
+    before = _rate_between(progress, started + 2, first_move)
+    after = _rate_between(progress, done + 3, finished)
+    assert after > 1.1 * before, f"throughput should rise after the move: {before:.2f} -> {after:.2f} mb/s"
+    api = swarm.api()
+    live = [[p for p in s["peers"] if p["state"] == "online"] for s in api["stages"]]
+    assert all(live), f"every stage keeps a live replica: {api['stages']}"
