@@ -254,7 +254,7 @@ function describeEvents(events) {
         label = "draining";
         detail = "peer " + peer + " of stage " + e.stage + " is draining";
       } else {
-        label = "state";
+        label = e.state;
         detail = "peer " + peer + " of stage " + e.stage + " is " + e.state;
       }
       known.set(e.peer, { stage: e.stage, state: e.state });
