@@ -19,7 +19,7 @@ run_id = "{run_id}"
 num_stages = {num_stages}
 microbatch_size = 8
 seed = 0
-
+{top}
 [model]
 d_model = 64
 n_layers = {n_layers}
@@ -49,10 +49,12 @@ class Swarm:
         self.events = workdir / "events.jsonl"
         self._peer_count = 0
 
-    def write_spec(self, num_stages: int = 2, n_layers: int = 2, max_message_mb: int = 16, extra: str = "") -> Path:
+    def write_spec(self, num_stages: int = 2, n_layers: int = 2, max_message_mb: int = 16, extra: str = "",
+                   top: str = "") -> Path:
+        """``top``: top-level keys; ``extra``: whole tables appended at the end."""
         path = self.workdir / "spec.toml"
         path.write_text(SMALL_SPEC.format(run_id=self.run_id, num_stages=num_stages, n_layers=n_layers,
-                                          max_message_mb=max_message_mb) + textwrap.dedent(extra))
+                                          max_message_mb=max_message_mb, top=top) + textwrap.dedent(extra))
         return path
 
     def start_coordinator(self, spec: Path | None = None, *args: str, wait: bool = True) -> Launched:

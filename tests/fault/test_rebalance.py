@@ -18,7 +18,7 @@ def _rate_between(progress: list[dict], t_from: float, t_to: float) -> float:
 
 def test_peer_moves_to_the_bottleneck_stage(swarm):
     # Stage 1 holds three blocks plus the head: far more work than stage 0's single block.
-    spec = swarm.write_spec(num_stages=2, n_layers=4, extra="layer_split = [1, 3]\n")
+    spec = swarm.write_spec(num_stages=2, n_layers=4, top="layer_split = [1, 3]")
     swarm.start_coordinator(spec)
     peers = [swarm.start_peer(stage, "--rebalance-period", "12", wait=False) for stage in (0, 0, 0, 1)]
     for p in peers:
