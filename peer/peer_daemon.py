@@ -9,6 +9,7 @@ import signal
 
 import torch
 
+from peer.averaging import ReplicaAverager
 from peer.balance import choose_stage
 from peer.bootstrap import neediest_run, resolve_initial_peers
 from peer.config import PeerConfig
@@ -36,6 +37,8 @@ class PeerDaemon:
         self.address = ""
         self.metrics_address = ""
         self.initial_peers: list[str] = []
+        self.averager: ReplicaAverager | None = None
+        self.averaging_task: asyncio.Task | None = None
 
     # ------------------------------------------------------------ lifecycle
     async def run(self) -> int:
@@ -53,6 +56,8 @@ class PeerDaemon:
                 await self.server.stop(grace=1.0)
             if self.servicer is not None:
                 self.servicer.executor.shutdown(wait=False, cancel_futures=True)
+            if self.averager is not None:
+                self.averager.shutdown()
             self.dht.shutdown()
 
     async def _serve(self) -> int:
@@ -67,6 +72,8 @@ class PeerDaemon:
             raise ValueError(f"--stage {stage} does not exist: run {run_id!r} has {spec.num_stages} stages")
         self.events.emit("joining", run_id=run_id, stage=stage)
         runtime = StageRuntime(spec, stage)
+        # The averager forks a process: it must exist before the gRPC server starts.
+        self.averager = ReplicaAverager(self.dht, runtime, self.events) if spec.averaging_interval_s > 0 else None
         metrics = PeerMetrics()
         self.servicer = StageServicer(runtime, peer_id, metrics)
         self.servicer.on_state_pushed = lambda state: self.events.emit(
@@ -83,16 +90,32 @@ class PeerDaemon:
         self.events.emit("online", stage=stage, address=self.address, metrics=self.metrics_address or "-")
         self._write_ready(run_id, stage, peer_id)
         background = [asyncio.create_task(self._announce_loop())]
+        self._start_averaging()
         if cfg.rebalance_period > 0:
             background.append(asyncio.create_task(Rebalancer(self).run()))
         await self.stop_requested.wait()
-        for task in background[1:]:
-            task.cancel()  # no move may start while we leave
+        for task in background[1:] + ([self.averaging_task] if self.averaging_task else []):
+            task.cancel()  # no move or averaging round may start while we leave
         await self._drain()
         background[0].cancel()
         runtime = self.servicer.runtime
         self.events.emit("stopped", stage=runtime.stage, version=runtime.version, steps=runtime.stats.steps)
         return 0
+
+    def _start_averaging(self) -> None:
+        if self.averager is not None:
+            self.averaging_task = asyncio.create_task(self.averager.run(self.swarm, self.servicer.executor))
+
+    def restart_averaging(self, runtime: StageRuntime) -> None:
+        """After a move: average with the new stage's replicas (this fork happens after gRPC started,
+        which is safe because the averager process never touches gRPC)."""
+        if self.averager is None:
+            return
+        if self.averaging_task is not None:
+            self.averaging_task.cancel()
+        self.averager.shutdown()
+        self.averager = ReplicaAverager(self.dht, runtime, self.events)
+        self._start_averaging()
 
     async def _pick_run(self) -> str:
         probe = SwarmDHT(self.dht, "")

@@ -72,6 +72,7 @@ class Rebalancer:
         await daemon.finish_in_flight()  # old stage: refuse new work, finish what we hold
         await hand_off_state(daemon.swarm, old, servicer.executor, daemon.events)
         servicer.swap_runtime(new)
+        daemon.restart_averaging(new)
         servicer.state = "online"
         await daemon.announce_other(old.stage, daemon.record(state="draining", throughput=0.0))
         await daemon.announce_other(target, daemon.record())

@@ -74,7 +74,8 @@ class RunSpec:
     layer_split: list[int] = field(default_factory=list)  # blocks per stage; empty: even split
     microbatch_size: int = 16
     seed: int = 0
-    averaging_period: int = 50
+    averaging_period: int = 50  # replica averaging: at least this many local steps between rounds
+    averaging_interval_s: float = 30.0  # rounds at clock-aligned slots this far apart (0 disables averaging)
     checkpoint_every: int = 100
     model: ModelSpec = field(default_factory=ModelSpec)
     optimizer: OptimizerSpec = field(default_factory=OptimizerSpec)
