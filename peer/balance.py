@@ -11,10 +11,14 @@ NEW_PEER_THROUGHPUT = 1.0  # a replica that has not measured yet still counts fo
 
 
 def stage_throughputs(stages: list[dict[str, StageRecord]], exclude: str = "") -> list[float]:
+    """Total throughput of each stage's live replicas; one that has not measured yet counts as
+    the mean of its measured stage-mates (it will soon do about as much as they do)."""
     totals = []
     for peers in stages:
         live = [r for pid, r in peers.items() if r.state != "draining" and pid != exclude]
-        totals.append(sum(r.throughput if r.throughput > 0 else NEW_PEER_THROUGHPUT for r in live))
+        measured = [r.throughput for r in live if r.throughput > 0]
+        prior = sum(measured) / len(measured) if measured else NEW_PEER_THROUGHPUT
+        totals.append(sum(r.throughput if r.throughput > 0 else prior for r in live))
     return totals
 
 

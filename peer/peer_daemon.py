@@ -77,7 +77,7 @@ class PeerDaemon:
         metrics = PeerMetrics()
         self.servicer = StageServicer(runtime, peer_id, metrics)
         self.servicer.on_state_pushed = lambda state: self.events.emit(
-            "state_received", from_version=state.version, digest=state.digest(), version=runtime.version)
+            "state_received", from_version=state.version, digest=state.digest(), version=self.servicer.runtime.version)
         self.server, port = await start_server(self.servicer, cfg.host, cfg.port)
         self.address = f"{cfg.announce_host or cfg.host}:{port}"
         if cfg.metrics_port >= 0:

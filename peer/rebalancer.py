@@ -68,6 +68,7 @@ class Rebalancer:
         daemon.events.emit("rebalancing", from_stage=old.stage, to_stage=target, estimate=round(estimate, 2))
         await daemon.announce_other(target, daemon.record(state="joining", throughput=estimate))
         new = await asyncio.get_running_loop().run_in_executor(servicer.executor, StageRuntime, spec, target)
+        new.assume_throughput(estimate)  # others must count us at the new stage right away, not as zero
         await load_initial_state(daemon.swarm, new, servicer.executor, daemon.events)
         await daemon.finish_in_flight()  # old stage: refuse new work, finish what we hold
         await hand_off_state(daemon.swarm, old, servicer.executor, daemon.events)

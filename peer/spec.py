@@ -32,8 +32,9 @@ class ModelSpec:
 
 @dataclass
 class OptimizerSpec:
-    kind: str = "adamw"  # adamw | nesterov | basis_rotation
-    lr: float = 2e-3
+    # basis_rotation won bench/convergence.py (async, P=8): see bench/CONVERGENCE.md
+    kind: str = "basis_rotation"  # adamw | nesterov | basis_rotation
+    lr: float = 3e-3
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = 1e-8
     weight_decay: float = 0.01

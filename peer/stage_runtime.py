@@ -210,6 +210,11 @@ class StageRuntime:
         ema = self._seconds_per_sample
         self._seconds_per_sample = per_sample if ema is None else 0.9 * ema + 0.1 * per_sample
 
+    def assume_throughput(self, microbatches_per_s: float) -> None:
+        """Seed the estimate (e.g. after moving here) until real measurements take over."""
+        if microbatches_per_s > 0 and self._seconds_per_sample is None:
+            self._seconds_per_sample = 1.0 / (microbatches_per_s * self.spec.microbatch_size)
+
     def throughput(self) -> float:
         """Micro-batches per second this stage can compute (forward + backward)."""
         if not self._seconds_per_sample:

@@ -18,11 +18,12 @@ from typing import Any, Callable
 import grpc
 import torch
 
-from peer.channels import server_options
+from peer.channels import server_options, tune_allocator
 from peer.metrics import PeerMetrics
 from peer.stage_state import StageState, StateError, average_into, export_state, to_chunks
 from peer.state_transfer import receive_pushed
 from peer.stage_runtime import BackwardResult, StageRuntime, UnknownMicrobatch
+from peer.streaming import METHODS as STREAM_METHODS, frame_messages, reassemble
 from peer.wire import WireError, decode, encode, is_empty
 from protos import swarm_pb2, swarm_pb2_grpc
 
@@ -245,8 +246,25 @@ class StageServicer(swarm_pb2_grpc.StageServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
 
 
+    async def Stream(self, request_iterator, context: grpc.aio.ServicerContext):
+        """Forward / Backward / ForwardBackward whose messages are too large for one gRPC message."""
+        limits = self.spec.limits
+        try:
+            method, request = await reassemble(request_iterator, max_total_bytes=getattr(limits, "max_stream_mb", 1024) << 20,
+                                               what="stream")
+        except WireError as e:
+            self.metrics.errors.labels("stream", "invalid_tensor").inc()
+            log.info("peer %s stage %d: rejected stream: %s", self.peer_id[-6:], self.runtime.stage, e)
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            return
+        response = await getattr(self, method)(request, context)
+        for frame in frame_messages(response, STREAM_METHODS[method][3]):
+            yield frame
+
+
 async def start_server(servicer: StageServicer, host: str, port: int) -> tuple[grpc.aio.Server, int]:
     """Bind and start; returns the server and the real port (port 0 picks a free one)."""
+    tune_allocator()
     server = grpc.aio.server(options=server_options(servicer.spec.limits.max_message_mb))
     swarm_pb2_grpc.add_StageServicer_to_server(servicer, server)
     bound = server.add_insecure_port(f"{host}:{port}")

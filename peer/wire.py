@@ -21,6 +21,8 @@ from protos import swarm_pb2
 
 # torch.frombuffer over an immutable ``bytes`` warns; decoded tensors are treated as read-only.
 warnings.filterwarnings("ignore", message="The given buffer is not writable")
+# The fused per-tensor quantize kernels below are deprecated upstream but still the fastest CPU path.
+warnings.filterwarnings("ignore", message=".*quantized tensor creation functions.*")
 
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -38,11 +40,26 @@ class WireError(ValueError):
     """Input from the network that cannot be accepted."""
 
 
-def _raw_bytes(t: torch.Tensor) -> bytes:
+def raw_view(t: torch.Tensor) -> memoryview:
+    """The bytes of a CPU tensor as a flat memoryview over its storage (no copy when contiguous)."""
     t = t.contiguous()
     if t.dtype == torch.bfloat16:  # numpy has no bfloat16: reinterpret the bits
         t = t.view(torch.int16)
-    return t.numpy().tobytes()
+    return memoryview(t.numpy()).cast("B")
+
+
+def _raw_bytes(t: torch.Tensor) -> bytes:
+    return raw_view(t).tobytes()  # the one copy into the protobuf bytes field
+
+
+def all_finite(t: torch.Tensor) -> bool:
+    """True when no value is NaN or Inf: a finite sum proves it in one cheap pass (NaN/Inf propagate);
+    only a non-finite sum (overflow, or a real NaN/Inf) pays for the exact element-wise check."""
+    if not t.numel():
+        return True
+    if bool(torch.isfinite(t.sum(dtype=torch.float64))):
+        return True
+    return bool(torch.isfinite(t).all())
 
 
 def _from_raw(data: bytes | memoryview, dtype: torch.dtype, count: int, offset: int = 0) -> torch.Tensor:
@@ -79,7 +96,10 @@ def encode(t: torch.Tensor, codec: str = "none") -> swarm_pb2.Tensor:
     if codec == "none":
         data = _raw_bytes(flat)
     elif codec == "fp16":  # saturate instead of overflowing to inf, which the receiver would reject
-        saturated = torch.where(flat.isinf(), flat, flat.clamp(-FP16_MAX, FP16_MAX))  # inf stays inf: rejected
+        if all_finite(flat):
+            saturated = flat.clamp(-FP16_MAX, FP16_MAX)
+        else:  # inf stays inf (and NaN NaN): the receiver rejects them
+            saturated = torch.where(flat.isinf(), flat, flat.clamp(-FP16_MAX, FP16_MAX))
         data = _raw_bytes(saturated.to(torch.float16))
     elif codec == "bf16":
         data = _raw_bytes(flat.to(torch.bfloat16))
@@ -92,21 +112,47 @@ def encode(t: torch.Tensor, codec: str = "none") -> swarm_pb2.Tensor:
     return swarm_pb2.Tensor(shape=list(t.shape), dtype=DTYPE_NAMES[t.dtype], codec=codec, data=data)
 
 
+def _quantize(t: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
+    """round(t / scale) saturated to ``dtype``'s range in one fused pass (torch's per-tensor quantizer)."""
+    return torch.quantize_per_tensor(t, scale, 0, dtype).int_repr()
+
+
 def _encode_uint8(flat: torch.Tensor) -> bytes:
-    lo = flat.min().item() if flat.numel() else 0.0
-    hi = flat.max().item() if flat.numel() else 0.0
-    scale = (hi - lo) / 255.0 or 1.0
-    q = ((flat - lo) / scale).round_().clamp_(0, 255).to(torch.uint8)
-    return torch.tensor([lo, scale], dtype=torch.float32).numpy().tobytes() + q.numpy().tobytes()
+    if flat.numel():
+        lo_t, hi_t = torch.aminmax(flat)
+        lo, hi = lo_t.item(), hi_t.item()
+    else:
+        lo = hi = 0.0
+    if not (math.isfinite(lo) and math.isfinite(hi)):  # NaN/Inf: send the old slow way; the receiver rejects it
+        scale = (hi - lo) / 255.0 or 1.0  # a NaN/Inf scale in the header makes the decoded tensor non-finite
+        q = ((flat - lo) / scale).nan_to_num_(0.0).round_().clamp_(0, 255).to(torch.uint8)
+    else:
+        # float32 header: round the scale through float32 so sender and receiver use the same one
+        scale = float(torch.tensor((hi - lo) / 255.0, dtype=torch.float32)) or 1.0
+        lo = float(torch.tensor(lo, dtype=torch.float32))
+        q = _quantize(flat - lo, scale, torch.quint8)
+    header = torch.tensor([lo, scale], dtype=torch.float32)
+    return bytes(raw_view(header)) + bytes(raw_view(q))
+
+
+def _blocks(flat: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """(blocks, BLOCK_SIZE) view of ``flat``; only a ragged tail is padded (copied)."""
+    n = flat.numel()
+    blocks = math.ceil(n / BLOCK_SIZE)
+    if n % BLOCK_SIZE:
+        flat = torch.nn.functional.pad(flat, (0, blocks * BLOCK_SIZE - n))
+    return flat.view(blocks, BLOCK_SIZE), n
 
 
 def _encode_blockwise8(flat: torch.Tensor) -> bytes:
-    n = flat.numel()
-    blocks = math.ceil(n / BLOCK_SIZE)
-    padded = torch.nn.functional.pad(flat, (0, blocks * BLOCK_SIZE - n)).view(blocks, BLOCK_SIZE)
+    padded, n = _blocks(flat)
     absmax = padded.abs().amax(dim=1).clamp_(min=1e-12)
-    q = (padded / absmax[:, None] * 127.0).round_().clamp_(-127, 127).to(torch.int8).reshape(-1)[:n]
-    return absmax.numpy().tobytes() + q.numpy().tobytes()
+    if all_finite(absmax):
+        # |x| / absmax * 127 lies in [-127, 127]: the fused quantizer rounds and casts in one pass
+        q = _quantize(padded * (127.0 / absmax)[:, None], 1.0, torch.qint8).reshape(-1)[:n]
+    else:  # NaN/Inf go as they are (the receiver rejects them)
+        q = (padded / absmax[:, None] * 127.0).round_().clamp_(-127, 127).to(torch.int8).reshape(-1)[:n]
+    return bytes(raw_view(absmax)) + bytes(raw_view(q))
 
 
 def decode(
@@ -138,10 +184,11 @@ def decode(
     if codec != "none" and not dtype.is_floating_point:
         raise WireError(f"{what}: codec {codec} is only for floating-point tensors, got {msg.dtype}")
     expected = encoded_size(codec, dtype, numel)
-    if len(msg.data) != expected:
-        raise WireError(f"{what}: {len(msg.data)} bytes do not match shape {list(shape)} x {msg.dtype} under codec {codec} ({expected} bytes)")
-    t = _decode_payload(msg.data, codec, dtype, numel).view(shape)
-    if check_finite and dtype.is_floating_point and numel and not bool(torch.isfinite(t).all()):
+    data = msg.data  # read once: each read of a protobuf bytes field copies it
+    if len(data) != expected:
+        raise WireError(f"{what}: {len(data)} bytes do not match shape {list(shape)} x {msg.dtype} under codec {codec} ({expected} bytes)")
+    t = _decode_payload(data, codec, dtype, numel).view(shape)
+    if check_finite and dtype.is_floating_point and numel and not all_finite(t):
         raise WireError(f"{what}: contains NaN or Inf values")
     return t
 
@@ -156,13 +203,12 @@ def _decode_payload(data: bytes, codec: str, dtype: torch.dtype, numel: int) -> 
     if codec == "uint8":
         lo, scale = _from_raw(data, torch.float32, 2).tolist()
         q = _from_raw(data, torch.uint8, numel, offset=8)
-        return (q.to(torch.float32) * scale + lo).to(dtype)
+        return q.to(torch.float32).mul_(scale).add_(lo).to(dtype)
     if codec == "blockwise8":
         blocks = math.ceil(numel / BLOCK_SIZE)
         absmax = _from_raw(data, torch.float32, blocks)
-        q = _from_raw(data, torch.int8, numel, offset=4 * blocks).to(torch.float32)
-        q = torch.nn.functional.pad(q, (0, blocks * BLOCK_SIZE - numel)).view(blocks, BLOCK_SIZE)
-        return (q * (absmax[:, None] / 127.0)).reshape(-1)[:numel].to(dtype)
+        q, _ = _blocks(_from_raw(data, torch.int8, numel, offset=4 * blocks).to(torch.float32))
+        return q.mul_((absmax / 127.0)[:, None]).reshape(-1)[:numel].to(dtype)
     raise WireError(f"unknown codec {codec!r}")
 
 

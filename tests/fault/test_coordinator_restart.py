@@ -7,7 +7,7 @@ import pytest
 
 from peer.launch import wait_for
 
-from conftest import assert_trained, events_of, kill_tree, wait_step
+from swarm_support import assert_trained, events_of, kill_tree, wait_step
 
 pytestmark = [pytest.mark.fault, pytest.mark.timeout(360)]
 STEPS = 1_000_000

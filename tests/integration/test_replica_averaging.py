@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import assert_trained, events_of
+from swarm_support import assert_trained, events_of
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 

@@ -1,0 +1,200 @@
+"""Chunked streaming of large stage requests and responses (``rpc Stream``).
+
+A message whose tensors exceed the streaming threshold travels as frames: a first frame with
+the method, the message without its tensors' bytes, and each tensor's byte length; then the
+bytes in chunks of ``chunk_bytes``, so no single gRPC message approaches the cap and every
+buffer stays small. The receiver allocates each tensor's buffer once (after checking the total
+against ``max_total_bytes``), copies chunks straight into it, and decodes from it without a
+further copy (``peer.wire.decode`` reads a :class:`TensorView` like a ``swarm_pb2.Tensor``).
+A stream that ends early, overruns, or lies about its sizes raises :class:`WireError`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import AsyncIterator, Iterable, Iterator
+
+import grpc
+
+from peer.wire import WireError
+from protos import swarm_pb2
+
+# method -> (request class, response class, request tensor fields, response tensor fields)
+METHODS = {
+    "Forward": (swarm_pb2.ForwardRequest, swarm_pb2.ForwardResponse, ("input",), ("output",)),
+    "Backward": (swarm_pb2.BackwardRequest, swarm_pb2.BackwardResponse, ("grad_output", "input"), ("grad_input",)),
+    "ForwardBackward": (swarm_pb2.ForwardBackwardRequest, swarm_pb2.ForwardBackwardResponse,
+                        ("input", "targets"), ("grad_input",)),
+}
+MB = 1 << 20
+DEFAULT_CHUNK = 1 * MB
+DEFAULT_THRESHOLD = 2 * MB
+MAX_HEADER = 64 * 1024
+
+
+@dataclass
+class TensorView:
+    """A received tensor: the ``swarm_pb2.Tensor`` fields, with ``data`` a buffer we own (no copy)."""
+    shape: list
+    dtype: str
+    codec: str
+    data: bytearray | bytes | memoryview
+
+
+class Reassembled:
+    """A streamed message: attributes read from its header, tensor fields as :class:`TensorView`."""
+
+    def __init__(self, header, tensors: dict[str, TensorView]):
+        self._header = header
+        self._tensors = tensors
+
+    def __getattr__(self, name: str):
+        tensors = self.__dict__.get("_tensors", {})
+        if name in tensors:
+            return tensors[name]
+        return getattr(self.__dict__["_header"], name)
+
+    def ByteSize(self) -> int:
+        return self._header.ByteSize() + sum(len(t.data) for t in self._tensors.values())
+
+
+# ------------------------------------------------------------------ sending
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while True:
+        b = n & 0x7F
+        n >>= 7
+        if n:
+            out.append(b | 0x80)
+        else:
+            out.append(b)
+            return bytes(out)
+
+
+def data_frame_bytes(chunk: memoryview) -> bytes:
+    """A serialized ``Frame{data: chunk}`` built with one copy (field 4, wire type 2)."""
+    return b"".join((b"\x22", _varint(len(chunk)), chunk))
+
+
+def _split_payloads(msg, fields: Iterable[str], payloads: list | None):
+    """(header message with empty tensor data, [memoryview of each tensor's bytes])."""
+    header = type(msg)()
+    header.CopyFrom(msg)
+    views = []
+    for i, name in enumerate(fields):
+        if payloads is not None and payloads[i] is not None:
+            views.append(memoryview(payloads[i]).cast("B"))
+        else:
+            views.append(memoryview(getattr(msg, name).data))  # one copy out of the protobuf
+        if header.HasField(name):
+            getattr(header, name).data = b""
+    return header, views
+
+
+def frames(msg, fields: Iterable[str], *, method: str = "", chunk_bytes: int = DEFAULT_CHUNK,
+           payloads: list | None = None) -> Iterator[bytes]:
+    """Serialized frames for ``msg``. ``payloads[i]`` (optional) gives field i's bytes directly, e.g. a
+    memoryview over tensor storage, so the data is copied only into the frames themselves."""
+    fields = tuple(fields)
+    header, views = _split_payloads(msg, fields, payloads)
+    yield swarm_pb2.Frame(method=method, header=header.SerializeToString(),
+                          data_bytes=[len(v) for v in views]).SerializeToString()
+    for v in views:
+        for start in range(0, len(v), chunk_bytes):
+            yield data_frame_bytes(v[start:start + chunk_bytes])
+
+
+def frame_messages(msg, fields: Iterable[str], *, chunk_bytes: int = DEFAULT_CHUNK) -> Iterator[swarm_pb2.Frame]:
+    """Like :func:`frames` but as ``Frame`` messages (for the server's generated serializer)."""
+    fields = tuple(fields)
+    header, views = _split_payloads(msg, fields, None)
+    yield swarm_pb2.Frame(header=header.SerializeToString(), data_bytes=[len(v) for v in views])
+    for v in views:
+        for start in range(0, len(v), chunk_bytes):
+            yield swarm_pb2.Frame(data=bytes(v[start:start + chunk_bytes]))
+
+
+# ------------------------------------------------------------------ receiving
+
+async def reassemble(stream: AsyncIterator[swarm_pb2.Frame], *, max_total_bytes: int,
+                     expect_method: str | None = None, what: str = "stream") -> tuple[str, Reassembled]:
+    """Read a whole framed message; ``expect_method`` None means it is a request (method in frame 1)."""
+    first = None
+    async for first in stream:
+        break
+    if first is None:
+        raise WireError(f"{what}: ended before its first frame")
+    method = expect_method or first.method
+    if method not in METHODS:
+        raise WireError(f"{what}: unknown method {first.method!r}; expected one of {', '.join(METHODS)}")
+    req_cls, resp_cls, req_fields, resp_fields = METHODS[method]
+    cls, fields = (resp_cls, resp_fields) if expect_method else (req_cls, req_fields)
+    sizes = list(first.data_bytes)
+    if len(sizes) != len(fields):
+        raise WireError(f"{what}: {len(sizes)} tensor sizes given, {method} has {len(fields)} tensor fields")
+    if any(s < 0 for s in sizes):
+        raise WireError(f"{what}: negative tensor size")
+    total = sum(sizes)
+    if total > max_total_bytes:
+        raise WireError(f"{what}: {total} bytes exceed the stream cap of {max_total_bytes}")
+    if len(first.header) > MAX_HEADER:
+        raise WireError(f"{what}: header of {len(first.header)} bytes exceeds {MAX_HEADER}")
+    try:
+        header = cls.FromString(first.header)
+    except Exception as e:  # noqa: BLE001 - protobuf raises DecodeError subclasses
+        raise WireError(f"{what}: malformed header: {e}") from None
+    buffers = [bytearray(s) for s in sizes]
+    index, filled, received = 0, 0, 0
+    async for frame in stream:
+        chunk = frame.data
+        pos = 0
+        while pos < len(chunk):
+            while index < len(buffers) and filled == len(buffers[index]):
+                index, filled = index + 1, 0
+            if index == len(buffers):
+                raise WireError(f"{what}: more bytes than the {total} announced")
+            n = min(len(chunk) - pos, len(buffers[index]) - filled)
+            memoryview(buffers[index])[filled:filled + n] = memoryview(chunk)[pos:pos + n]
+            filled += n
+            pos += n
+        received += len(chunk)
+    if received != total:
+        raise WireError(f"{what}: stream ended after {received} of {total} bytes")
+    tensors = {}
+    for name, buf in zip(fields, buffers):
+        if header.HasField(name) or buf:
+            t = getattr(header, name)
+            tensors[name] = TensorView(shape=list(t.shape), dtype=t.dtype, codec=t.codec, data=buf)
+        else:
+            tensors[name] = TensorView(shape=[], dtype="", codec="", data=b"")
+    return method, Reassembled(header, tensors)
+
+
+# ------------------------------------------------------------------ client
+
+class StreamingCaller:
+    """Calls a stage method unary when small, as a frame stream when large."""
+
+    def __init__(self, threshold_bytes: int = DEFAULT_THRESHOLD, chunk_bytes: int = DEFAULT_CHUNK,
+                 max_total_bytes: int = 1 << 30):
+        self.threshold_bytes = threshold_bytes
+        self.chunk_bytes = chunk_bytes
+        self.max_total_bytes = max_total_bytes
+
+    async def call(self, channel: grpc.aio.Channel, stub, method: str, request, *, timeout: float | None,
+                   payloads: list | None = None, expected_bytes: int | None = None):
+        """``payloads``: optional raw bytes per tensor field (then the request's tensor data may be empty).
+        ``expected_bytes``: size of the reply, when the caller knows it is larger than the request."""
+        fields = METHODS[method][2]
+        size = request.ByteSize() + sum(memoryview(p).nbytes for p in payloads or () if p is not None)
+        if max(size, expected_bytes or 0) <= self.threshold_bytes:
+            for name, p in zip(fields, payloads or ()):
+                if p is not None:
+                    getattr(request, name).data = memoryview(p).cast("B").tobytes()
+            return await getattr(stub, method)(request, timeout=timeout)
+        call = channel.stream_stream("/swarmpipe.Stage/Stream", request_serializer=lambda b: b,
+                                     response_deserializer=swarm_pb2.Frame.FromString)(
+            frames(request, fields, method=method, chunk_bytes=self.chunk_bytes, payloads=payloads), timeout=timeout)
+        _, response = await reassemble(call.__aiter__(), max_total_bytes=self.max_total_bytes,
+                                       expect_method=method, what=f"{method} reply")
+        return response
