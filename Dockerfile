@@ -16,7 +16,7 @@
 # Offline builds: deploy/setup-docker.sh fills deploy/wheels with `pip wheel` on the host.
 ARG BASE=python:3.11-slim
 
-# ---------------------------------------------------------------- build: a venv in /opt/venv
+# ---------------------------------------------------------------- build: the dependencies in /opt/venv
 FROM ${BASE} AS build
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
 ARG WHEELHOUSE=auto
@@ -40,19 +40,20 @@ open('/src/requirements.txt', 'w').write(''.join(d + '\n' for d in deps))"; \
         fi; \
         /opt/venv/bin/pip install -r /src/requirements.txt; \
     fi
-# The project itself, from the source tree (README.md is optional).
+# ---------------------------------------------------------------- project: a wheel from the source tree
+FROM build AS project
+ARG WHEELHOUSE=auto
+ARG PIP_INDEX_URL=
 COPY pyproject.toml README.m[d] /src/
 COPY peer /src/peer
 COPY coordinator /src/coordinator
 COPY protos /src/protos
 RUN set -eu; [ -n "${PIP_INDEX_URL:-}" ] || unset PIP_INDEX_URL; \
     if [ "$WHEELHOUSE" != "off" ] && ls /wheels/*.whl >/dev/null 2>&1; then \
-        /opt/venv/bin/pip install --no-deps --no-index --find-links /wheels /src; \
+        /opt/venv/bin/pip wheel --no-deps --no-index --find-links /wheels --wheel-dir /dist /src; \
     else \
-        /opt/venv/bin/pip install --no-deps /src; \
-    fi; \
-    find /opt/venv -name __pycache__ -prune -exec rm -rf {} +; \
-    /opt/venv/bin/swarmpipe --help >/dev/null
+        /opt/venv/bin/pip wheel --no-deps --wheel-dir /dist /src; \
+    fi
 
 # ---------------------------------------------------------------- runtime
 FROM ${BASE}
@@ -66,7 +67,12 @@ RUN set -eu; missing=""; \
     useradd --system --uid 10001 --user-group --create-home --home-dir /home/swarm --shell /usr/sbin/nologin swarm; \
     mkdir -p /data /bootstrap /reports /usr/local/lib/swarmpipe /opt/swarmpipe; \
     chown swarm:swarm /data /bootstrap /reports
+# The dependencies' venv (a layer that survives source edits), then the project's wheel into it.
 COPY --from=build /opt/venv /opt/venv
+COPY --from=project /dist/ /tmp/dist/
+RUN /opt/venv/bin/pip install --no-cache-dir --no-deps --no-index /tmp/dist/*.whl \
+    && rm -rf /tmp/dist \
+    && /opt/venv/bin/swarmpipe --help >/dev/null
 COPY deploy/entrypoint.sh /usr/local/bin/swarmpipe-entrypoint
 COPY deploy/healthcheck.sh /usr/local/bin/swarmpipe-healthcheck
 COPY deploy/netem.sh /usr/local/bin/swarmpipe-netem

@@ -43,10 +43,15 @@ def version_of(sc, peer_id: str) -> int:
 
 
 def wait_listed(sc, peer_id: str, timeout: float) -> float | None:
-    """Seconds until the coordinator lists ``peer_id`` online and fresh; None on timeout."""
-    t0 = time.monotonic()
+    """Seconds until the coordinator lists ``peer_id`` online with a record announced from now on; None on timeout."""
+    t0, since = time.monotonic(), time.time()
+
+    def renewed() -> bool:
+        p = sc.stack.listed().get(peer_id)
+        return bool(p) and p["updated_at"] >= since
+
     try:
-        wait_until(lambda: peer_id in sc.stack.listed(), timeout, f"{peer_id[-6:]} listed online", poll=1.0)
+        wait_until(renewed, timeout, f"{peer_id[-6:]} listed online", poll=1.0)
     except HarnessError:
         return None
     return time.monotonic() - t0
