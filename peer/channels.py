@@ -79,16 +79,26 @@ class ChannelPool:
         self.max_message_mb = max_message_mb
         tune_allocator()
         self._channels: dict[str, grpc.aio.Channel] = {}
+        self._stubs: dict[str, tuple[grpc.aio.Channel, swarm_pb2_grpc.StageStub]] = {}
 
-    def stub(self, address: str) -> swarm_pb2_grpc.StageStub:
+    def channel(self, address: str) -> grpc.aio.Channel:
         channel = self._channels.get(address)
         if channel is None:
             channel = grpc.aio.insecure_channel(address, options=channel_options(self.max_message_mb))
             self._channels[address] = channel
-        return swarm_pb2_grpc.StageStub(channel)
+        return channel
+
+    def stub(self, address: str) -> swarm_pb2_grpc.StageStub:
+        stub = self._stubs.get(address)
+        channel = self.channel(address)
+        if stub is None or stub[0] is not channel:
+            stub = (channel, swarm_pb2_grpc.StageStub(channel))
+            self._stubs[address] = stub
+        return stub[1]
 
     async def drop(self, address: str) -> None:
         channel = self._channels.pop(address, None)
+        self._stubs.pop(address, None)
         if channel is not None:
             await channel.close(grace=None)
 

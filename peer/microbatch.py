@@ -20,9 +20,11 @@ import grpc
 import torch
 
 from peer.channels import ChannelPool
+from peer.codec_policy import CodecPolicy, ErrorFeedback
 from peer.events import EventLog, short_id
 from peer.routing import PeerView, Router
 from peer.spec import RunSpec
+from peer.streaming import StreamingCaller
 from peer.wire import WireError, decode, encode
 from protos import swarm_pb2
 
@@ -48,8 +50,14 @@ class MicrobatchRunner:
         self.wait_timeout = wait_timeout
         self.refresh = refresh
         self.pool = ChannelPool(spec.limits.max_message_mb)
-        self.act_codec = spec.compression.activations
+        cap = spec.limits.max_message_mb << 20
+        # Above 1 MiB (or half the cap) a tensor goes as a chunked stream: no message nears the cap.
+        self.caller = StreamingCaller(threshold_bytes=min(1 << 20, cap // 2), chunk_bytes=min(1 << 20, cap // 2),
+                                      max_total_bytes=getattr(spec.limits, "max_stream_mb", 1024) << 20)
+        self.act_codec = spec.compression.activations  # "auto": chosen per hop from measured bandwidth
         self.grad_codec = spec.compression.gradients
+        self.policy = CodecPolicy()
+        self.error_feedback = ErrorFeedback()
         self._waiting_since: dict[int, float] = {}
 
     async def close(self) -> None:
@@ -139,17 +147,39 @@ class MicrobatchRunner:
         await asyncio.sleep(1.0)
 
     # ------------------------------------------------------------ calls
+    async def _call(self, view: PeerView, method: str, request):
+        """Unary when small, chunked stream when large; one pooled channel per peer; the bytes moved and
+        the time taken feed the per-peer bandwidth estimate that "auto" codecs are chosen from."""
+        with self.policy.timed(view.address) as timed:
+            response = await self.caller.call(self.pool.channel(view.address), self.pool.stub(view.address), method,
+                                              request, timeout=self.call_timeout)
+            timed.nbytes = request.ByteSize() + response.ByteSize()
+        return response
+
+    def _codec(self, role: str, view: PeerView, t: torch.Tensor) -> str:
+        configured = self.act_codec if role == "activations" else self.grad_codec
+        return self.policy.choose(role, configured, view.address, t.numel() * 4)
+
+    def _encode_grad(self, stage: int, view: PeerView, grad: torch.Tensor) -> swarm_pb2.Tensor:
+        codec = self._codec("gradients", view, grad)
+        if codec in ("uint8", "blockwise8"):  # 8-bit: carry what quantization lost into the next gradient
+            return self.error_feedback.encode((stage, tuple(grad.shape)), grad, codec)
+        return encode(grad, codec)
+
     async def _forward(self, view: PeerView, stage: int, mb_id: str, x: torch.Tensor) -> torch.Tensor:
+        codec = self._codec("activations", view, x)
         request = swarm_pb2.ForwardRequest(run_id=self.spec.run_id, stage=stage, microbatch_id=mb_id,
-                                           input=encode(x, self.act_codec))
-        response = await self.pool.stub(view.address).Forward(request, timeout=self.call_timeout)
+                                           input=encode(x, codec), reply_codec=codec)
+        response = await self._call(view, "Forward", request)
         return decode(response.output, max_elements=self.spec.limits.max_tensor_elements,
                       expect_shape=(x.shape[0], x.shape[1], self.spec.model.d_model), what="forward output").float()
 
     async def _forward_backward(self, view: PeerView, stage: int, mb_id: str, x: torch.Tensor, targets: torch.Tensor):
         request = swarm_pb2.ForwardBackwardRequest(run_id=self.spec.run_id, stage=stage, microbatch_id=mb_id,
-                                                   input=encode(x, self.act_codec), targets=encode(targets))
-        response = await self.pool.stub(view.address).ForwardBackward(request, timeout=self.call_timeout)
+                                                   input=encode(x, self._codec("activations", view, x)),
+                                                   targets=encode(targets),
+                                                   reply_codec=self._codec("gradients", view, x))
+        response = await self._call(view, "ForwardBackward", request)
         if not torch.isfinite(torch.tensor(response.loss)):
             raise WireError(f"stage {stage} returned a non-finite loss")
         grad = None
@@ -161,11 +191,12 @@ class MicrobatchRunner:
     async def _backward_call(self, view: PeerView, stage: int, mb_id: str, grad: torch.Tensor,
                              replay_input: torch.Tensor | None):
         request = swarm_pb2.BackwardRequest(run_id=self.spec.run_id, stage=stage, microbatch_id=mb_id,
-                                            grad_output=encode(grad, self.grad_codec))
+                                            grad_output=self._encode_grad(stage, view, grad),
+                                            reply_codec=self._codec("gradients", view, grad))
         if replay_input is not None:
-            request.input.CopyFrom(encode(replay_input, self.act_codec))
+            request.input.CopyFrom(encode(replay_input, self._codec("activations", view, replay_input)))
             request.replay = True
-        response = await self.pool.stub(view.address).Backward(request, timeout=self.call_timeout)
+        response = await self._call(view, "Backward", request)
         grad_in = None
         if stage > 0:
             grad_in = decode(response.grad_input, max_elements=self.spec.limits.max_tensor_elements,

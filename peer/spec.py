@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 SCHEMA_VERSION = 1
-CODECS = ("none", "fp16", "bf16", "uint8", "blockwise8")
+CODECS = ("none", "fp16", "bf16", "uint8", "blockwise8", "auto")  # auto: chosen per hop from measured bandwidth
 
 
 class SpecError(ValueError):
@@ -65,6 +65,7 @@ class CompressionSpec:
 class LimitsSpec:
     max_message_mb: int = 64
     max_tensor_elements: int = 64 * 1024 * 1024
+    max_stream_mb: int = 1024  # cap on one chunked stream (a large Forward/Backward), all tensors together
 
 
 @dataclass

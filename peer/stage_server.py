@@ -91,7 +91,10 @@ class StageServicer(swarm_pb2_grpc.StageServicer):
         (self.metrics.bytes_in if incoming else self.metrics.bytes_out).labels(msg.codec or "none").inc(len(msg.data))
 
     def _encode(self, t: torch.Tensor, codec: str, default: str) -> swarm_pb2.Tensor:
-        msg = encode(t, codec or default)
+        codec = codec or default
+        if codec == "auto":  # "auto" is chosen by the caller per hop; a caller that did not choose gets fp16
+            codec = "fp16"
+        msg = encode(t, codec)
         self._count_bytes(msg, incoming=False)
         return msg
 
@@ -258,7 +261,8 @@ class StageServicer(swarm_pb2_grpc.StageServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
             return
         response = await getattr(self, method)(request, context)
-        for frame in frame_messages(response, STREAM_METHODS[method][3]):
+        chunk = min(1 << 20, (limits.max_message_mb << 20) // 2)  # a frame never nears the message cap
+        for frame in frame_messages(response, STREAM_METHODS[method][3], chunk_bytes=chunk):
             yield frame
 
 

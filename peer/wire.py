@@ -21,8 +21,6 @@ from protos import swarm_pb2
 
 # torch.frombuffer over an immutable ``bytes`` warns; decoded tensors are treated as read-only.
 warnings.filterwarnings("ignore", message="The given buffer is not writable")
-# The fused per-tensor quantize kernels below are deprecated upstream but still the fastest CPU path.
-warnings.filterwarnings("ignore", message=".*quantized tensor creation functions.*")
 
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -114,7 +112,9 @@ def encode(t: torch.Tensor, codec: str = "none") -> swarm_pb2.Tensor:
 
 def _quantize(t: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
     """round(t / scale) saturated to ``dtype``'s range in one fused pass (torch's per-tensor quantizer)."""
-    return torch.quantize_per_tensor(t, scale, 0, dtype).int_repr()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the fused per-tensor quantizer is deprecated upstream, still fastest
+        return torch.quantize_per_tensor(t, scale, 0, dtype).int_repr()
 
 
 def _encode_uint8(flat: torch.Tensor) -> bytes:

@@ -165,3 +165,15 @@ class PushStateResponse(_message.Message):
     detail: str
     version: int
     def __init__(self, accepted: _Optional[bool] = ..., detail: _Optional[str] = ..., version: _Optional[int] = ...) -> None: ...
+
+class Frame(_message.Message):
+    __slots__ = ("method", "header", "data_bytes", "data")
+    METHOD_FIELD_NUMBER: _ClassVar[int]
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    DATA_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    method: str
+    header: bytes
+    data_bytes: _containers.RepeatedScalarFieldContainer[int]
+    data: bytes
+    def __init__(self, method: _Optional[str] = ..., header: _Optional[bytes] = ..., data_bytes: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ...) -> None: ...

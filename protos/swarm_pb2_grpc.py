@@ -64,6 +64,11 @@ class StageStub:
                 request_serializer=protos_dot_swarm__pb2.StateChunk.SerializeToString,
                 response_deserializer=protos_dot_swarm__pb2.PushStateResponse.FromString,
                 _registered_method=True)
+        self.Stream = channel.stream_stream(
+                '/swarmpipe.Stage/Stream',
+                request_serializer=protos_dot_swarm__pb2.Frame.SerializeToString,
+                response_deserializer=protos_dot_swarm__pb2.Frame.FromString,
+                _registered_method=True)
 
 
 class StageServicer:
@@ -107,6 +112,13 @@ class StageServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Stream(self, request_iterator, context):
+        """Forward / Backward / ForwardBackward for messages above the streaming threshold.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_StageServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -139,6 +151,11 @@ def add_StageServicer_to_server(servicer, server):
                     servicer.PushState,
                     request_deserializer=protos_dot_swarm__pb2.StateChunk.FromString,
                     response_serializer=protos_dot_swarm__pb2.PushStateResponse.SerializeToString,
+            ),
+            'Stream': grpc.stream_stream_rpc_method_handler(
+                    servicer.Stream,
+                    request_deserializer=protos_dot_swarm__pb2.Frame.FromString,
+                    response_serializer=protos_dot_swarm__pb2.Frame.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -303,6 +320,33 @@ class Stage:
             '/swarmpipe.Stage/PushState',
             protos_dot_swarm__pb2.StateChunk.SerializeToString,
             protos_dot_swarm__pb2.PushStateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Stream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/swarmpipe.Stage/Stream',
+            protos_dot_swarm__pb2.Frame.SerializeToString,
+            protos_dot_swarm__pb2.Frame.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,277 @@
+"""Data-plane throughput and latency: swarmpipe's stage RPC vs raw loopback TCP vs hivemind P2P RPC.
+
+    python bench/dataplane.py [--sizes-kib 64 1024 4096 16384 65536] [--seconds 1.0] [--out bench/results/dataplane.json]
+
+Every transport does the same echo: the caller sends N payload bytes, the callee sends N bytes
+back. Throughput is N / (round-trip time) (payload one way, GB/s = 1e9 B/s), so all three columns
+compare like with like. All baselines run in this process, in the same run, on 127.0.0.1:
+  * swarmpipe: ``Forward`` of an identity stage (codec none) through the real StageServicer:
+    validation, finite check, encode/decode, unary below the streaming threshold, chunked
+    ``Stream`` above it; with 1 and with 4 calls in flight on one pooled channel;
+  * tcp: a blocking socket pair over loopback, echo server in a thread (recv_into / sendall);
+  * hivemind: ``P2P.call_protobuf_handler`` between two hivemind P2P daemons (the RPC Petals uses).
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import socket
+import sys
+import threading
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from peer.channels import ChannelPool, tune_allocator  # noqa: E402
+from peer.metrics import PeerMetrics  # noqa: E402
+from peer.spec import LimitsSpec, ModelSpec, RunSpec  # noqa: E402
+from peer.stage_server import StageServicer, start_server  # noqa: E402
+from peer.streaming import StreamingCaller  # noqa: E402
+from peer.wire import decode, encode, raw_view  # noqa: E402
+from protos import swarm_pb2  # noqa: E402
+
+WIDTH = 1024
+
+
+class IdentityRuntime:
+    """Just enough of StageRuntime for the servicer: a middle stage whose forward is the identity."""
+
+    def __init__(self, spec: RunSpec):
+        self.spec, self.stage, self.version = spec, 1, 0
+        self.is_first = self.is_last = False
+        self.stats = type("S", (), {"samples": 0, "dropped_stale": 0})()
+
+    def forward(self, mb_id: str, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    def throughput(self) -> float:
+        return 0.0
+
+
+def tensor_for(nbytes: int) -> torch.Tensor:
+    n = max(nbytes // 4, WIDTH)
+    rows = n // WIDTH
+    seq = min(rows, 1024)
+    return torch.randn(max(rows // seq, 1), seq, WIDTH)
+
+
+async def timed(fn, seconds: float, min_reps: int = 3, max_reps: int = 200) -> list[float]:
+    await fn()  # warm-up (connection, allocator)
+    out, start = [], time.perf_counter()
+    while len(out) < min_reps or (time.perf_counter() - start < seconds and len(out) < max_reps):
+        t = time.perf_counter()
+        await fn()
+        out.append(time.perf_counter() - t)
+    return out
+
+
+def median(xs: list[float]) -> float:
+    xs = sorted(xs)
+    return xs[len(xs) // 2]
+
+
+# ------------------------------------------------------------------ swarmpipe
+async def bench_swarmpipe(sizes: list[int], seconds: float, inflight: int) -> dict[int, dict]:
+    spec = RunSpec(run_id="bench", num_stages=3, model=ModelSpec(d_model=WIDTH, seq_len=1024),
+                   limits=LimitsSpec(max_message_mb=64, max_tensor_elements=1 << 25))
+    servicer = StageServicer(IdentityRuntime(spec), "bench-peer", PeerMetrics())
+    servicer.state = "online"
+    server, port = await start_server(servicer, "127.0.0.1", 0)
+    address = f"127.0.0.1:{port}"
+    pool = ChannelPool(spec.limits.max_message_mb)
+    caller = StreamingCaller()
+    stub, channel = pool.stub(address), pool.channel(address)
+    results = {}
+    try:
+        for nbytes in sizes:
+            x = tensor_for(nbytes)
+            real = x.numel() * 4
+
+            async def one(x=x) -> None:
+                header = encode(x[:0], "none")  # shape/dtype only; bytes go as a zero-copy payload
+                header.ClearField("shape")
+                header.shape.extend(x.shape)
+                request = swarm_pb2.ForwardRequest(run_id="bench", stage=1, microbatch_id="m", input=header)
+                response = await caller.call(channel, stub, "Forward", request, timeout=120,
+                                             payloads=[raw_view(x)], expected_bytes=real)
+                y = decode(response.output, max_elements=1 << 25, what="output")
+                assert y.shape == x.shape
+
+            async def many() -> None:
+                await asyncio.gather(*(one() for _ in range(inflight)))
+
+            times = await timed(many if inflight > 1 else one, seconds)
+            t = median(times)
+            results[real] = dict(gbps=real * inflight / t / 1e9, latency_ms=t * 1e3,
+                                 reps=len(times))
+    finally:
+        await pool.close()
+        await server.stop(None)
+    return results
+
+
+async def bench_empty_call(seconds: float) -> dict:
+    spec = RunSpec(run_id="bench", num_stages=3, model=ModelSpec(d_model=16, seq_len=1024))
+    servicer = StageServicer(IdentityRuntime(spec), "bench-peer", PeerMetrics())
+    servicer.state = "online"
+    server, port = await start_server(servicer, "127.0.0.1", 0)
+    pool = ChannelPool(64)
+    stub = pool.stub(f"127.0.0.1:{port}")
+    try:
+        info = await timed(lambda: stub.Info(swarm_pb2.InfoRequest(run_id="bench"), timeout=10), seconds)
+        x = torch.randn(1, 1, 16)
+
+        async def tiny() -> None:
+            r = await stub.Forward(swarm_pb2.ForwardRequest(run_id="bench", stage=1, microbatch_id="m",
+                                                            input=encode(x)), timeout=10)
+            decode(r.output)
+        fwd = await timed(tiny, seconds)
+    finally:
+        await pool.close()
+        await server.stop(None)
+    return dict(info_rtt_ms=median(info) * 1e3, tiny_forward_rtt_ms=median(fwd) * 1e3)
+
+
+# ------------------------------------------------------------------ raw TCP
+def bench_tcp(sizes: list[int], seconds: float) -> dict[int, dict]:
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(1)
+    client = socket.create_connection(listener.getsockname())
+    conn, _ = listener.accept()
+    for s in (client, conn):
+        s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    size_box: list[int] = [0]
+
+    def recv_exact(sock: socket.socket, view: memoryview) -> None:
+        got = 0
+        while got < len(view):
+            n = sock.recv_into(view[got:])
+            if not n:
+                raise ConnectionError("closed")
+            got += n
+
+    def echo() -> None:
+        buf = bytearray(max(sizes) + WIDTH * 4)
+        try:
+            while True:
+                header = bytearray(8)
+                recv_exact(conn, memoryview(header))
+                n = int.from_bytes(header, "little")
+                if n == 0:
+                    return
+                view = memoryview(buf)[:n]
+                recv_exact(conn, view)
+                conn.sendall(view)
+        except ConnectionError:
+            return
+
+    thread = threading.Thread(target=echo, daemon=True)
+    thread.start()
+    results = {}
+    for nbytes in sizes:
+        real = tensor_for(nbytes).numel() * 4
+        out = bytearray(real)
+        back = bytearray(real)
+        size_box[0] = real
+
+        def one() -> float:
+            t = time.perf_counter()
+            client.sendall(real.to_bytes(8, "little"))
+            client.sendall(out)
+            recv_exact(client, memoryview(back))
+            return time.perf_counter() - t
+
+        one()
+        times, start = [], time.perf_counter()
+        while len(times) < 3 or (time.perf_counter() - start < seconds and len(times) < 500):
+            times.append(one())
+        t = median(times)
+        results[real] = dict(gbps=real / t / 1e9, latency_ms=t * 1e3, reps=len(times))
+    client.sendall((0).to_bytes(8, "little"))
+    thread.join(5)
+    for s in (client, conn, listener):
+        s.close()
+    return results
+
+
+# ------------------------------------------------------------------ hivemind
+async def bench_hivemind(sizes: list[int], seconds: float) -> dict[int, dict]:
+    from hivemind.p2p import P2P
+
+    cap = max(sizes) + (16 << 20)
+    server = await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"], persistent_conn_max_msg_size=cap)
+    client = await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"], persistent_conn_max_msg_size=cap,
+                              initial_peers=[str(a) for a in await server.get_visible_maddrs()])
+
+    async def handler(request: swarm_pb2.Tensor, _context) -> swarm_pb2.Tensor:
+        return request
+
+    await server.add_protobuf_handler("echo", handler, swarm_pb2.Tensor)
+    results = {}
+    try:
+        for nbytes in sizes:
+            x = tensor_for(nbytes)
+            real = x.numel() * 4
+
+            async def one(x=x) -> None:
+                r = await client.call_protobuf_handler(server.peer_id, "echo", encode(x), swarm_pb2.Tensor)
+                decode(r)
+
+            times = await timed(one, seconds, min_reps=2)
+            t = median(times)
+            results[real] = dict(gbps=real / t / 1e9, latency_ms=t * 1e3, reps=len(times))
+    finally:
+        await client.shutdown()
+        await server.shutdown()
+    return results
+
+
+# ------------------------------------------------------------------ main
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--sizes-kib", type=int, nargs="+", default=[64, 1024, 4096, 16384, 65536])
+    ap.add_argument("--seconds", type=float, default=1.0, help="time budget per size and transport")
+    ap.add_argument("--no-hivemind", action="store_true")
+    ap.add_argument("--out", default="bench/results/dataplane.json")
+    args = ap.parse_args()
+    tune_allocator()
+    sizes = [k * 1024 for k in args.sizes_kib]
+    tcp = bench_tcp(sizes, args.seconds)
+    sp1 = asyncio.run(bench_swarmpipe(sizes, args.seconds, 1))
+    sp4 = asyncio.run(bench_swarmpipe(sizes, args.seconds, 4))
+    hm = {} if args.no_hivemind else asyncio.run(bench_hivemind(sizes, args.seconds))
+    empty = asyncio.run(bench_empty_call(args.seconds))
+    rows = []
+    for real in sorted(tcp):
+        r = dict(bytes=real, tcp_gbps=tcp[real]["gbps"], swarmpipe_gbps=sp1[real]["gbps"],
+                 swarmpipe_x4_gbps=sp4[real]["gbps"], swarmpipe_latency_ms=sp1[real]["latency_ms"],
+                 tcp_latency_ms=tcp[real]["latency_ms"])
+        if real in hm:
+            r.update(hivemind_gbps=hm[real]["gbps"], hivemind_latency_ms=hm[real]["latency_ms"])
+        r["vs_tcp"] = r["swarmpipe_gbps"] / r["tcp_gbps"]
+        r["x4_vs_tcp"] = r["swarmpipe_x4_gbps"] / r["tcp_gbps"]
+        if "hivemind_gbps" in r:
+            r["vs_hivemind"] = r["swarmpipe_gbps"] / r["hivemind_gbps"]
+        rows.append(r)
+    print(f"{'size':>9} {'tcp GB/s':>9} {'swarmpipe':>10} {'sp x4':>7} {'hivemind':>9} "
+          f"{'sp/tcp':>7} {'x4/tcp':>7} {'sp/hm':>7} {'sp ms':>8} {'tcp ms':>8} {'hm ms':>8}")
+    for r in rows:
+        size = f"{r['bytes'] / 1024:.0f}K" if r["bytes"] < 1 << 20 else f"{r['bytes'] / (1 << 20):.0f}M"
+        print(f"{size:>9} {r['tcp_gbps']:>9.3f} {r['swarmpipe_gbps']:>10.3f} {r['swarmpipe_x4_gbps']:>7.3f} "
+              f"{r.get('hivemind_gbps', float('nan')):>9.3f} {r['vs_tcp']:>7.2f} {r['x4_vs_tcp']:>7.2f} "
+              f"{r.get('vs_hivemind', float('nan')):>7.1f} {r['swarmpipe_latency_ms']:>8.2f} "
+              f"{r['tcp_latency_ms']:>8.2f} {r.get('hivemind_latency_ms', float('nan')):>8.2f}")
+    print(f"empty-ish calls: Info round trip {empty['info_rtt_ms']:.3f} ms, "
+          f"Forward of a 64-byte tensor {empty['tiny_forward_rtt_ms']:.3f} ms")
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(dict(rows=rows, empty_calls=empty, seconds_per_point=args.seconds), f, indent=1)
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
