@@ -46,6 +46,7 @@ class TrainerConfig(CommonConfig):
     steps: int = opt(200, "micro-batches to complete")
     max_time: float = opt(0.0, "stop after this many seconds of training (0: no limit); in-flight work still finishes")
     in_flight: int = opt(0, "micro-batches in flight (0: two per stage)")
+    flush_every: int = opt(0, "synchronous baseline: wait for every micro-batch in flight after each K started (0: never, the asynchronous schedule)")
     data: str = opt("", "text file or folder to train on (default: the Python standard library's source)")
     report: str = opt("", "write a JSON report here at the end")
     seed: int = opt(1, "data sampling seed")

@@ -56,6 +56,7 @@ class RuntimeStats:
     dropped_nonfinite: int = 0
     expired: int = 0
     samples: int = 0
+    busy_seconds: float = 0.0  # time spent computing: busy fraction = its rate of change
     delays: Counter = field(default_factory=Counter)
 
 
@@ -205,6 +206,7 @@ class StageRuntime:
 
     def _observe(self, seconds: float, samples: int, weight: float) -> None:
         """EMA of compute seconds per sample; ``weight`` is the share of a full fwd+bwd this call did."""
+        self.stats.busy_seconds += seconds
         self.stats.samples += samples if weight >= 2 / 3 else 0
         per_sample = seconds / max(1, samples) / weight
         ema = self._seconds_per_sample

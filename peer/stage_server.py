@@ -208,7 +208,7 @@ class StageServicer(swarm_pb2_grpc.StageServicer):
         return swarm_pb2.InfoResponse(
             peer_id=self.peer_id, stage=self.runtime.stage, version=self.runtime.version,
             throughput=self.runtime.throughput(), queue=self.queue, state=self.state,
-            samples_processed=stats.samples, dropped_stale=stats.dropped_stale,
+            samples_processed=stats.samples, dropped_stale=stats.dropped_stale, busy_seconds=stats.busy_seconds,
         )
 
     async def DownloadState(self, request: swarm_pb2.DownloadStateRequest, context: grpc.aio.ServicerContext):

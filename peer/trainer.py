@@ -135,7 +135,8 @@ class Trainer:
                 self.events.emit("stopping", step=p.completed, in_flight=len(tasks),
                                  reason="signal" if self.stop_requested.is_set() else "max_time")
                 break
-            while len(tasks) < in_flight and p.started < target:
+            flush = self.cfg.flush_every
+            while len(tasks) < in_flight and p.started < target and not (flush and p.started % flush == 0 and tasks):
                 inputs, targets = sampler.next()
                 p.started += 1
                 tasks.add(asyncio.create_task(runner.run(f"{self.events.peer_id[-8:]}-{p.started}", inputs, targets)))

@@ -109,7 +109,7 @@ class InfoRequest(_message.Message):
     def __init__(self, run_id: _Optional[str] = ...) -> None: ...
 
 class InfoResponse(_message.Message):
-    __slots__ = ("peer_id", "stage", "version", "throughput", "queue", "state", "samples_processed", "dropped_stale")
+    __slots__ = ("peer_id", "stage", "version", "throughput", "queue", "state", "samples_processed", "dropped_stale", "busy_seconds")
     PEER_ID_FIELD_NUMBER: _ClassVar[int]
     STAGE_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -118,6 +118,7 @@ class InfoResponse(_message.Message):
     STATE_FIELD_NUMBER: _ClassVar[int]
     SAMPLES_PROCESSED_FIELD_NUMBER: _ClassVar[int]
     DROPPED_STALE_FIELD_NUMBER: _ClassVar[int]
+    BUSY_SECONDS_FIELD_NUMBER: _ClassVar[int]
     peer_id: str
     stage: int
     version: int
@@ -126,7 +127,8 @@ class InfoResponse(_message.Message):
     state: str
     samples_processed: int
     dropped_stale: int
-    def __init__(self, peer_id: _Optional[str] = ..., stage: _Optional[int] = ..., version: _Optional[int] = ..., throughput: _Optional[float] = ..., queue: _Optional[int] = ..., state: _Optional[str] = ..., samples_processed: _Optional[int] = ..., dropped_stale: _Optional[int] = ...) -> None: ...
+    busy_seconds: float
+    def __init__(self, peer_id: _Optional[str] = ..., stage: _Optional[int] = ..., version: _Optional[int] = ..., throughput: _Optional[float] = ..., queue: _Optional[int] = ..., state: _Optional[str] = ..., samples_processed: _Optional[int] = ..., dropped_stale: _Optional[int] = ..., busy_seconds: _Optional[float] = ...) -> None: ...
 
 class DownloadStateRequest(_message.Message):
     __slots__ = ("run_id", "stage", "shard", "num_shards")
