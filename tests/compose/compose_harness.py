@@ -147,10 +147,16 @@ class Monitor(threading.Thread):
     def longest_stall(self, since: float = 0.0, until: float | None = None) -> float:
         """Longest time the trainer's announced step did not move (coordinator downtime excluded)."""
         with self.lock:
-            samples = [s for s in self.samples if s.t >= since and (until is None or s.t <= until) and s.step is not None]
+            samples = [s for s in self.samples if s.t >= since and (until is None or s.t <= until)]
         worst, last_change, last_step = 0.0, None, None
         for s in samples:
-            if last_step is None or s.step > last_step:
+            if s.step is None:  # coordinator down (or trainer not yet listed): no view, no verdict
+                last_change = None
+                continue
+            if last_change is None:
+                last_change, last_step = s.t, max(s.step, last_step or 0)
+                continue
+            if s.step > last_step:
                 if last_change is not None:
                     worst = max(worst, s.t - last_change)
                 last_change, last_step = s.t, s.step

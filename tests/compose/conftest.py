@@ -107,17 +107,27 @@ class Scenario:
         return max(400, int(STATE["rate"] * seconds))
 
     def measure_rate(self) -> float:
-        """Training speed so far (micro-batches/s, from the coordinator's view); feeds the next sizing."""
+        """Training speed so far (micro-batches/s, from the coordinator's view, past warm-up)."""
         mon = self.stack.monitor
         with mon.lock:
             pts = [(s.t, s.step) for s in mon.samples if s.step]
         if len(pts) < 2 or pts[-1][0] - pts[0][0] < 4:
             return STATE["rate"]
         rate = (pts[-1][1] - pts[0][1]) / (pts[-1][0] - pts[0][0])
-        if rate > 0:
-            STATE["rate"] = round(0.5 * STATE["rate"] + 0.5 * rate, 1)
         self.facts["rate_mb_s"] = round(rate, 1)
         return rate
+
+    def learn_rate(self, report: dict) -> None:
+        """Size the next scenario's trainer from this one's speed (the faster estimate: load changes)."""
+        elapsed = report.get("elapsed_s") or 0
+        from_report = (report.get("microbatches_completed") or 0) / elapsed if elapsed > 0 else 0
+        best = max(from_report, self.facts.get("rate_mb_s", 0))
+        if best > 0:
+            STATE["rate"] = round(best, 1)
+
+    def assert_passed(self) -> None:
+        failed = [f"{what} ({detail})" if detail else what for what, ok, detail in self.checks if not ok]
+        assert self.passed, f"{self.name}: " + "; ".join(failed or ["no checks ran"])
 
     @property
     def passed(self) -> bool:

@@ -74,6 +74,7 @@ def finish_training(sc, steps: int, survivors: list[str], gone: tuple[str, ...] 
     exit_code = st.wait_trainer(timeout=max(300, 4 * steps / max(1.0, sc.facts.get("rate_mb_s", 10))))
     sc.check("trainer exited 0", exit_code == 0, f"exit {exit_code}")
     report = st.report()
+    sc.learn_rate(report)
     completed, dropped = report.get("microbatches_completed", 0), report.get("microbatches_dropped_stale", 0)
     sc.facts.update(steps=completed, lost=report.get("microbatches_lost"), loss_first=report.get("loss_first"),
                     loss_last=report.get("loss_last"), retried=report.get("microbatches_retried"), dropped_stale=dropped)
@@ -107,6 +108,13 @@ def finish_training(sc, steps: int, survivors: list[str], gone: tuple[str, ...] 
     return report
 
 
+def healed_while_training(sc) -> None:
+    """The fault and its healing must fall inside the training run, or the scenario proves nothing."""
+    training = sc.stack.running(sc.stack.ids("trainer")[0])
+    sc.check("fault healed while the trainer was still training", training,
+             "" if training else "the trainer run was too short for this machine's speed now")
+
+
 def start_training(sc, seconds: float) -> int:
     """Start the trainer sized for ``seconds`` of training and wait until it is under way."""
     steps = sc.steps_for(seconds)
@@ -134,14 +142,15 @@ def test_kill_and_replace(scenario):
     victim = st.ids("peer0")[0]
     victim_id = st.peer_id(victim)
     survivors = [c for c in st.peer_ids() if c != victim]
-    steps = start_training(sc, 150)
+    steps = start_training(sc, 130)
 
-    step_at_kill = st.trainer_step()
     st.kill(victim)
-    sc.note(f"killed {st.short(victim)} ({victim_id[-6:]}) at step {step_at_kill}")
     t_kill = time.monotonic()
+    sc.note(f"killed {st.short(victim)} ({victim_id[-6:]}) near step {st.trainer_step()}")
+    time.sleep(5)  # the coordinator's view of the trainer's step lags a few seconds
+    step_after_kill = st.trainer_step()
     try:
-        wait_until(lambda: st.trainer_step() >= step_at_kill + 30, 45, "progress after the kill")
+        wait_until(lambda: st.trainer_step() >= step_after_kill + 30, 40, "progress after the kill")
         continued = time.monotonic() - t_kill
     except HarnessError:
         continued = None
@@ -149,6 +158,7 @@ def test_kill_and_replace(scenario):
              f"+30 micro-batches after {continued:.0f} s" if continued is not None else "no progress")
 
     replacement = st.add_replica("peer0")
+    healed_while_training(sc)
     sc.note(f"started replacement {st.short(replacement)}")
     bound = 180
     try:
@@ -162,12 +172,10 @@ def test_kill_and_replace(scenario):
         took = wait_takes_work(sc, replacement_id, 90)
         sc.check("replacement took work within 90 s", took is not None, f"{took:.0f} s" if took is not None else "never")
         survivors.append(replacement)
-    sc.check("the trainer was still running after the recovery", st.running(st.ids("trainer")[0]),
-             "raise the step count if not")
     sc.recovery = (f"training went on after {continued:.0f} s; " if continued is not None else "") + \
         (f"replacement listed {serving:.0f} s after start (bound {bound})" if serving is not None else "replacement never served")
     finish_training(sc, steps, survivors, gone=(victim_id,))
-    assert sc.passed, sc.checks
+    sc.assert_passed()
 
 
 # ---------------------------------------------------------------- 2
@@ -178,23 +186,23 @@ def test_pause_and_unpause(scenario):
     bring_up(sc)
     victim = st.ids("peer1")[0]
     victim_id = st.peer_id(victim)
-    steps = start_training(sc, 120)
+    steps = start_training(sc, 90)
 
     st.pause(victim)
     sc.note(f"paused {st.short(victim)} ({victim_id[-6:]})")
     progress_during(sc, 20, 30, "while a replica was paused")
     st.unpause(victim)
     sc.note("unpaused")
+    healed_while_training(sc)
     bound = 30
     listed = wait_listed(sc, victim_id, bound)
     sc.check(f"unpaused peer listed online again within {bound} s", listed is not None,
              f"{listed:.0f} s" if listed is not None else "timed out")
     took = wait_takes_work(sc, victim_id, 90)
     sc.check("unpaused peer took work again within 90 s", took is not None, f"{took:.0f} s" if took is not None else "never")
-    sc.check("the trainer was still running after the recovery", st.running(st.ids("trainer")[0]))
     sc.recovery = f"listed again {listed:.0f} s after unpause (bound {bound})" if listed is not None else "never listed again"
     finish_training(sc, steps, st.peer_ids())
-    assert sc.passed, sc.checks
+    sc.assert_passed()
 
 
 # ---------------------------------------------------------------- 3
@@ -207,7 +215,7 @@ def test_netem_delay_loss_rate(scenario):
     victim_id = st.peer_id(victim)
     other = st.ids("peer1")[0]
     victim_addr = st.ready(victim)["address"]
-    steps = start_training(sc, 130)
+    steps = start_training(sc, 100)
 
     for args, label in ((("delay", "100ms", "20ms"), "100 ms delay"), (("loss", "5%"), "5 % loss"),
                         (("rate", "50mbit"), "50 Mbit/s")):
@@ -219,16 +227,16 @@ def test_netem_delay_loss_rate(scenario):
                  f"{out.strip()[:60]} in {time.monotonic() - t0:.1f} s")
         time.sleep(5)
     sc.note(st.netem(victim, "clear"))
+    healed_while_training(sc)
     bound = 20
     listed = wait_listed(sc, victim_id, bound)
     sc.check(f"impaired peer listed online within {bound} s after clearing", listed is not None,
              f"{listed:.0f} s" if listed is not None else "timed out")
     took = wait_takes_work(sc, victim_id, 90)
     sc.check("impaired peer takes work after clearing", took is not None, f"{took:.0f} s" if took is not None else "never")
-    sc.check("the trainer was still running after the recovery", st.running(st.ids("trainer")[0]))
     sc.recovery = f"listed {listed:.0f} s after clearing (bound {bound}); progress in every phase" if listed is not None else "not listed after clearing"
     finish_training(sc, steps, st.peer_ids())
-    assert sc.passed, sc.checks
+    sc.assert_passed()
 
 
 # ---------------------------------------------------------------- 4
@@ -239,23 +247,23 @@ def test_partition_and_heal(scenario):
     bring_up(sc)
     victim = st.ids("peer1")[1]
     victim_id = st.peer_id(victim)
-    steps = start_training(sc, 130)
+    steps = start_training(sc, 100)
 
     ip = st.disconnect(victim)
     sc.note(f"disconnected {st.short(victim)} ({victim_id[-6:]}, {ip})")
     progress_during(sc, 25, 30, "while a replica was partitioned")
     st.connect(victim, ip, "peer1")
     sc.note("reconnected")
+    healed_while_training(sc)
     bound = 45
     listed = wait_listed(sc, victim_id, bound)
     sc.check(f"partitioned peer listed online again within {bound} s", listed is not None,
              f"{listed:.0f} s" if listed is not None else "timed out")
     took = wait_takes_work(sc, victim_id, 90)
     sc.check("partitioned peer took work again within 90 s", took is not None, f"{took:.0f} s" if took is not None else "never")
-    sc.check("the trainer was still running after the recovery", st.running(st.ids("trainer")[0]))
     sc.recovery = f"listed again {listed:.0f} s after reconnect (bound {bound})" if listed is not None else "never listed again"
     finish_training(sc, steps, st.peer_ids())
-    assert sc.passed, sc.checks
+    sc.assert_passed()
 
 
 # ---------------------------------------------------------------- 5
@@ -277,7 +285,7 @@ def test_coordinator_restart(scenario):
     bring_up(sc)
     peer = st.ids("peer0")[0]
     maddr_before = st.exec(peer, "cat", "/bootstrap/initial_peers.txt").strip()
-    steps = start_training(sc, 120)
+    steps = start_training(sc, 100)
 
     coordinator = st.ids("coordinator")[0]
     before = _peer_versions(st)
@@ -291,6 +299,7 @@ def test_coordinator_restart(scenario):
     st.start(coordinator)
     t0 = time.monotonic()
     sc.note("coordinator started")
+    healed_while_training(sc)
     bound = 60
     peer_ids = {st.peer_id(c) for c in st.peer_ids()}
 
@@ -308,10 +317,9 @@ def test_coordinator_restart(scenario):
     maddr_after = st.exec(peer, "cat", "/bootstrap/initial_peers.txt").strip()
     sc.check("same multiaddr after the restart (identity + fixed port + fixed address)", maddr_after == maddr_before,
              maddr_after.split("/p2p/")[-1][-6:])
-    sc.check("the trainer was still running after the recovery", st.running(st.ids("trainer")[0]))
     sc.recovery = f"API complete {recovered:.0f} s after start (bound {bound})" if recovered is not None else "API incomplete"
     finish_training(sc, steps, st.peer_ids())
-    assert sc.passed, sc.checks
+    sc.assert_passed()
 
 
 # ---------------------------------------------------------------- 6
@@ -348,7 +356,7 @@ def test_nemesis(scenario):
     plan = nemesis_plan(seed, seconds)
     for item in plan:
         sc.note(f"plan: t={item[0]:>5}s {item[1]:<11} stage {item[2]} slot {item[3]} for {item[4]} s")
-    steps = start_training(sc, seconds + 120)
+    steps = start_training(sc, seconds + 90)
 
     slots = {(s, r): cid for s in range(2) for r, cid in enumerate(st.ids(f"peer{s}"))}
     service_of = {cid: f"peer{s}" for (s, _), cid in slots.items()}
@@ -432,7 +440,7 @@ def test_nemesis(scenario):
         time.sleep(0.5)
     sc.facts["faults"] = len(injected)
     sc.note(f"faults injected: {len(injected)} ({', '.join(sorted(set(injected)))}), skipped {skipped}")
-    sc.check("the trainer was still running when every fault was healed", st.running(st.ids("trainer")[0]))
+    healed_while_training(sc)
     survivors = list(slots.values())
     try:
         wait_until(lambda: {st.peer_id(c) for c in survivors} <= set(st.listed()), 60, "every current peer listed")
@@ -442,5 +450,5 @@ def test_nemesis(scenario):
     sc.check("every current peer listed within 60 s of the last heal", healed)
     sc.recovery = f"{len(injected)} faults; all peers listed {'within 60 s' if healed else 'NOT within 60 s'} of the last heal"
     finish_training(sc, steps, survivors, gone=tuple(k for k in killed if k))
-    assert sc.passed, sc.checks
+    sc.assert_passed()
 
