@@ -28,7 +28,10 @@ def test_two_stages_two_replicas_train(swarm):
     def listed() -> dict | None:
         api = swarm.api()
         ids = {p["peer_id"] for stage in api["stages"] for p in stage["peers"]}
-        return api if ids >= {i["peer_id"] for i in infos} and api["trainers"] else None
+        # Records are re-announced every second: wait for a snapshot taken after training ended.
+        last_stage_steps = sum(p["version"] for p in api["stages"][-1]["peers"]) if api["stages"] else 0
+        done = last_stage_steps >= report["microbatches_completed"]
+        return api if ids >= {i["peer_id"] for i in infos} and api["trainers"] and done else None
 
     api = wait_for(listed, 30, "/api/swarm to list every peer and the trainer")
     assert api["run_id"] == "test"
