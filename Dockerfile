@@ -39,7 +39,9 @@ open('/src/requirements.txt', 'w').write(''.join(d + '\n' for d in deps))"; \
             /opt/venv/bin/pip install --index-url "$TORCH_INDEX_URL" -r /src/torch.txt; \
         fi; \
         /opt/venv/bin/pip install -r /src/requirements.txt; \
-    fi
+    fi; \
+    # C++ headers and test binaries are for building extensions and testing torch: not needed here.
+    rm -rf /opt/venv/lib/python3*/site-packages/torch/include /opt/venv/lib/python3*/site-packages/torch/test
 # ---------------------------------------------------------------- project: a wheel from the source tree
 FROM build AS project
 ARG WHEELHOUSE=auto
@@ -94,7 +96,7 @@ ENV PATH=/opt/venv/bin:$PATH \
 EXPOSE 7000 8080 31337
 USER swarm
 WORKDIR /home/swarm
-HEALTHCHECK --interval=15s --timeout=10s --start-period=180s --retries=3 CMD ["swarmpipe-healthcheck"]
+HEALTHCHECK --interval=30s --timeout=10s --start-period=120s --retries=3 CMD ["swarmpipe-healthcheck"]
 # `docker run IMAGE peer ...` runs `swarmpipe peer ...`; the wrapper only fills in the
 # announce address and waits for the coordinator's peers file (see deploy/entrypoint.sh).
 ENTRYPOINT ["swarmpipe-entrypoint"]

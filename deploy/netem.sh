@@ -12,10 +12,18 @@
 # loss where the kernel has sch_netem; where it lacks it (minimal VM kernels), delay
 # falls back to NFQUEUE + nfq_delay.py (a user-space delayer; on ingress, so held
 # packets do not throttle the sender through TCP small queues) and loss to an
-# iptables `statistic` rule. Rate always uses tc's tbf. Device: $NETEM_DEV (eth0).
+# iptables `statistic` rule. Rate always uses tc's tbf. Device: $NETEM_DEV, else the
+# interface of the default route.
 set -eu
 
-DEV=${NETEM_DEV:-eth0}
+DEV=${NETEM_DEV:-}
+if [ -z "$DEV" ]; then
+    # The interface of the default route, else the first one but lo: after `docker network
+    # disconnect` + `connect` the container's interface may be eth1, not eth0.
+    DEV=$(ip -o route show default 2>/dev/null | awk '{for (i = 1; i < NF; i++) if ($i == "dev") {print $(i + 1); exit}}')
+    [ -n "$DEV" ] || DEV=$(ip -o link show 2>/dev/null | awk -F': ' '$2 != "lo" {sub(/@.*/, "", $2); print $2; exit}')
+    [ -n "$DEV" ] || DEV=eth0
+fi
 CHAIN_IN=SWARMPIPE_NETEM_IN
 CHAIN_OUT=SWARMPIPE_NETEM_OUT
 QUEUE=${NETEM_QUEUE:-7}

@@ -166,7 +166,7 @@ def scenario(compose_engine: Engine, request: pytest.FixtureRequest):
     yield make
     for sc in made:
         err = getattr(request.node, "_compose_error", "")
-        if err and sc.passed:  # failed for a reason no check recorded: say which
+        if err and all(ok for _, ok, _ in sc.checks):  # failed for a reason no check recorded: say which
             sc.error = err
         try:
             sc.stack.save_logs()

@@ -399,12 +399,19 @@ def test_nemesis(scenario):
             start, kind, stage, slot_r, duration = pending.pop(0)
             slot = (stage, slot_r)
             if kind == "coordinator":
-                if coordinator_down is None:
+                if booting:  # a replacement still joining needs the coordinator to bootstrap its DHT
+                    skipped += 1
+                    sc.note(f"t={now:5.0f}s skipped coordinator stop (a replacement is still joining)")
+                elif coordinator_down is None:
                     cid = st.ids("coordinator")[0]
                     st.stop(cid, grace=5)
                     coordinator_down = (now + duration, cid)
                     injected.append(kind)
                     sc.note(f"t={now:5.0f}s coordinator stopped for {duration} s")
+                continue
+            if kind == "kill" and coordinator_down:
+                skipped += 1  # a replacement could not bootstrap its DHT without the coordinator
+                sc.note(f"t={now:5.0f}s skipped kill (the coordinator is down)")
                 continue
             if slot in busy or slot in booting or healthy_replicas(stage) < 2:
                 skipped += 1  # keep a healthy replica in every stage
