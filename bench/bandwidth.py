@@ -132,7 +132,7 @@ def main() -> None:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run finally / atexit on SIGTERM too
     workroot = Path(tempfile.mkdtemp(prefix="bench-bandwidth-"))
     numel = args.microbatch * args.seq_len * args.d_model
-    print(f"bandwidth bench: {args.stages} stages, last one behind netem rate {args.rate} delay {args.delay} each way; "
+    print(f"bandwidth bench: {args.stages} stages, last one behind a link shaped to {args.rate}; "
           f"activation {args.microbatch}x{args.seq_len}x{args.d_model} = {numel * 4 / 2**20:.1f} MiB float32; "
           f"{args.steps} micro-batches per codec; logs in {workroot}", flush=True)
     rows = []
