@@ -104,10 +104,22 @@ def parse_subkeyed(cls: type[R], found: Any) -> dict[str, R]:
     if found is None or not isinstance(found.value, dict):
         return out
     for subkey, item in found.value.items():
-        record = parse_record(cls, getattr(item, "value", None), f"{cls.__name__}/{subkey}")
-        if record is not None and isinstance(subkey, str):
-            out[subkey] = record
+        owner = subkey_owner(subkey)
+        if owner is None:
+            continue
+        record = parse_record(cls, getattr(item, "value", None), f"{cls.__name__}/{owner}")
+        if record is not None:
+            out[owner] = record
     return out
+
+
+def subkey_owner(subkey: Any) -> str | None:
+    """Peer id (or run id) a subkey names: a plain string, or ``b"<id>[owner:<key>]"`` for signed records."""
+    if isinstance(subkey, bytes):
+        subkey = subkey.split(b"[owner:", 1)[0].decode("utf-8", errors="replace")
+    if not isinstance(subkey, str) or not 0 < len(subkey) <= 128:
+        return None
+    return subkey
 
 
 def now() -> float:

@@ -11,7 +11,9 @@ import logging
 from typing import Any, Sequence
 
 import hivemind
+from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.utils import get_dht_time
+from hivemind.utils.crypto import RSAPrivateKey
 
 from peer.records import (
     RUNS_INDEX_KEY,
@@ -39,12 +41,27 @@ def start_dht(
     identity_path: str | None = None,
     announce_host: str | None = None,
 ) -> hivemind.DHT:
-    kwargs: dict[str, Any] = dict(host_maddrs=[f"/ip4/{host}/tcp/{port}"], start=True)
+    # Every node checks signatures: a record whose subkey names an owner key can only be changed
+    # by the holder of that key (hivemind's RSASignatureValidator), so no one overwrites another
+    # peer's announcement.
+    kwargs: dict[str, Any] = dict(host_maddrs=[f"/ip4/{host}/tcp/{port}"], start=True,
+                                  record_validators=[signature_validator()])
     if identity_path:
         kwargs["identity_path"] = identity_path
     if announce_host and port:  # behind NAT or in a container: the address others should dial
         kwargs["announce_maddrs"] = [f"/ip4/{announce_host}/tcp/{port}"]
     return hivemind.DHT(initial_peers=list(initial_peers) or None, **kwargs)
+
+
+_VALIDATOR: RSASignatureValidator | None = None
+
+
+def signature_validator() -> RSASignatureValidator:
+    """This process's signing identity (one RSA key per process)."""
+    global _VALIDATOR
+    if _VALIDATOR is None:
+        _VALIDATOR = RSASignatureValidator(RSAPrivateKey())
+    return _VALIDATOR
 
 
 def visible_maddrs(dht: hivemind.DHT) -> list[str]:
@@ -90,6 +107,8 @@ class SwarmDHT:
         self.dht = dht
         self.run_id = run_id
         self.peer_id = dht.peer_id.to_base58()
+        # "<peer id>[owner:<public key>]": our records are signed and only we can replace them.
+        self.owner_subkey = self.peer_id.encode() + signature_validator().local_public_key
 
     async def _get(self, key: str) -> Any:
         future = self.dht.get(key, latest=True, return_future=True)
@@ -132,7 +151,7 @@ class SwarmDHT:
 
     # stages ----------------------------------------------------------------
     async def announce_stage(self, stage: int, record: StageRecord, ttl: float) -> bool:
-        return await self._store(stage_key(self.run_id, stage), record.model_dump(), ttl, subkey=self.peer_id)
+        return await self._store(stage_key(self.run_id, stage), record.model_dump(), ttl, subkey=self.owner_subkey)
 
     async def stage_peers(self, stage: int) -> dict[str, StageRecord]:
         return parse_subkeyed(StageRecord, await self._get(stage_key(self.run_id, stage)))
@@ -142,7 +161,7 @@ class SwarmDHT:
 
     # trainers, checkpoints, index -----------------------------------------------
     async def announce_trainer(self, record: TrainerRecord, ttl: float) -> bool:
-        return await self._store(trainer_key(self.run_id), record.model_dump(), ttl, subkey=self.peer_id)
+        return await self._store(trainer_key(self.run_id), record.model_dump(), ttl, subkey=self.owner_subkey)
 
     async def trainers(self) -> dict[str, TrainerRecord]:
         return parse_subkeyed(TrainerRecord, await self._get(trainer_key(self.run_id)))

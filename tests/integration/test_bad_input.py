@@ -98,3 +98,38 @@ def test_bad_requests_get_clear_errors_and_peer_keeps_serving(two_peers):
         assert info.state == "online" and info.version == 1
     for peer in swarm.group.procs:
         assert peer.alive(), peer.log_text()[-2000:]
+
+
+def test_forged_record_cannot_replace_a_peers_announcement(swarm):
+    """Records are signed: another node storing under a peer's subkey is refused by the DHT."""
+    import time
+
+    import hivemind
+    from hivemind.dht.crypto import RSASignatureValidator
+    from hivemind.utils import get_dht_time
+    from hivemind.utils.crypto import RSAPrivateKey
+
+    from peer.records import stage_key
+    from peer.swarm_dht import SwarmDHT, start_dht
+
+    swarm.start_coordinator()
+    info = swarm.wait_ready(swarm.start_peer(0))
+    forger = hivemind.DHT(initial_peers=[swarm.maddr], host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True,
+                          record_validators=[RSASignatureValidator(RSAPrivateKey())])
+    reader = start_dht([swarm.maddr])
+    try:
+        found = reader.get(stage_key("test", 0), latest=True)
+        victim_subkey = next(k for k in found.value if isinstance(k, bytes) and k.startswith(info["peer_id"].encode()))
+        forged = {"address": "203.0.113.66:1", "state": "online", "throughput": 1e6, "queue": 0, "version": 0,
+                  "updated_at": time.time()}
+        assert not forger.store(stage_key("test", 0), forged, get_dht_time() + 60, subkey=victim_subkey)
+        import asyncio
+        peers = asyncio.run(_read_stage(SwarmDHT(reader, "test")))
+        assert peers[info["peer_id"]].address == info["address"]
+    finally:
+        forger.shutdown()
+        reader.shutdown()
+
+
+async def _read_stage(swarm_dht):
+    return await swarm_dht.stage_peers(0)

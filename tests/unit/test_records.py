@@ -164,8 +164,14 @@ def test_parse_subkeyed_keeps_valid_and_skips_forged() -> None:
 
 
 def test_parse_subkeyed_skips_non_string_subkeys() -> None:
-    out = parse_subkeyed(StageRecord, vwe({b"bytes-key": vwe(GOOD_STAGE), 7: vwe(GOOD_STAGE), "ok": vwe(GOOD_STAGE)}))
+    out = parse_subkeyed(StageRecord, vwe({7: vwe(GOOD_STAGE), None: vwe(GOOD_STAGE), "ok": vwe(GOOD_STAGE)}))
     assert set(out) == {"ok"}
+
+
+def test_parse_subkeyed_signed_subkeys_name_their_owner() -> None:
+    signed = b"12D3KooWowner[owner:ssh-rsa AAAAB3Nza]"
+    out = parse_subkeyed(StageRecord, vwe({signed: vwe(GOOD_STAGE), b"x" * 300: vwe(GOOD_STAGE)}))
+    assert set(out) == {"12D3KooWowner"}
 
 
 def test_parse_subkeyed_item_without_value_wrapper() -> None:
