@@ -180,6 +180,7 @@ class Stack:
         self.monitor: Monitor | None = None
         self.trainer_started_at: float | None = None
         self.network = ""
+        self._names: dict[str, str] = {}
 
     # -------------------------------------------------------- compose
     def env(self, **extra: str) -> dict[str, str]:
@@ -227,6 +228,7 @@ class Stack:
         """A new container for ``service`` (the dead ones removed first)."""
         before = set(self.ids(service))
         for cid in before:
+            self.name(cid)
             if not self.running(cid):
                 sh(["docker", "rm", "-f", cid], check=False)
         alive = [c for c in self.ids(service)]
@@ -254,7 +256,9 @@ class Stack:
         return self.ids("peer0") + self.ids("peer1")
 
     def name(self, cid: str) -> str:
-        return sh(["docker", "inspect", "-f", "{{.Name}}", cid]).stdout.strip().lstrip("/")
+        if cid not in self._names:  # cached: a removed container keeps its name in our notes
+            self._names[cid] = sh(["docker", "inspect", "-f", "{{.Name}}", cid]).stdout.strip().lstrip("/")
+        return self._names[cid]
 
     def short(self, cid: str) -> str:
         """peer0_2 / peer0-2 -> 'peer0#2' (v1 and v2 name containers differently)."""

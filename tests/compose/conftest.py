@@ -9,7 +9,8 @@ Environment knobs:
   SWARMPIPE_COMPOSE_RATE      first guess of training speed, micro-batches/s (30); each
                               scenario measures it and sizes the next trainer run from it
   SWARMPIPE_NEMESIS_SEED      seed of the nemesis schedule (default: random, printed)
-  SWARMPIPE_NEMESIS_SECONDS   how long the nemesis injects faults (150)
+  SWARMPIPE_NEMESIS_SECONDS   how long the nemesis injects faults (120)
+  SWARMPIPE_COMPOSE_STRICT    1: soft checks (a healed peer gets work again) fail the scenario too
 """
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ from compose_harness import REPO, Engine, HarnessError, Stack, prepare_engine, r
 
 RUN_DIR = REPO / "runs" / f"compose-{time.strftime('%Y%m%d-%H%M%S')}"
 RESULTS: list[dict] = []
+STRICT = os.environ.get("SWARMPIPE_COMPOSE_STRICT", "") not in ("", "0")
 STATE: dict = {"engine": None, "error": None, "skip": None, "rate": float(os.environ.get("SWARMPIPE_COMPOSE_RATE", "30"))}
 
 
@@ -85,11 +87,18 @@ class Scenario:
     stack: Stack
     started: float = field(default_factory=time.monotonic)
     checks: list[tuple[str, bool, str]] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
     facts: dict = field(default_factory=dict)
     recovery: str = ""
     error: str = ""
 
-    def check(self, what: str, ok: bool, detail: str = "") -> bool:
+    def check(self, what: str, ok: bool, detail: str = "", soft: bool = False) -> bool:
+        """Record an invariant. ``soft``: a failure is a warning in the verdict, not a failure
+        (SWARMPIPE_COMPOSE_STRICT=1 makes soft checks hard)."""
+        if soft and not ok and not STRICT:
+            self.warnings.append(what)
+            print(f"  [{self.name}] WARN {what}" + (f" ({detail})" if detail else ""), flush=True)
+            return False
         self.checks.append((what, bool(ok), detail))
         mark = "ok  " if ok else "FAIL"
         print(f"  [{self.name}] {mark} {what}" + (f" ({detail})" if detail else ""), flush=True)
@@ -140,6 +149,7 @@ class Scenario:
             "wall_s": round(time.monotonic() - self.started),
             "recovery": self.recovery,
             "failed": [what for what, ok, _ in self.checks if not ok] + ([self.error] if self.error else []),
+            "warnings": list(self.warnings),
             "description": self.description,
             **self.facts,
         }
@@ -197,6 +207,8 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         loss = (f"{r['loss_first']:.2f} -> {r['loss_last']:.2f}"
                 if isinstance(r.get("loss_first"), (int, float)) and isinstance(r.get("loss_last"), (int, float)) else "n/a")
         notes = r["recovery"] or ""
+        if r.get("warnings"):
+            notes = (notes + "; " if notes else "") + "WARN: " + "; ".join(r["warnings"])
         if r["failed"]:
             notes = (notes + "; " if notes else "") + "FAILED: " + "; ".join(r["failed"])
         lines.append(f"{r['scenario']:<18} {r['verdict']:<7} {r['wall_s']:>6} {str(r.get('steps', '-')):>6} {loss:>17} "

@@ -9,6 +9,8 @@ trainer's JSON report and the coordinator's /api/swarm:
   * microbatches_lost == 0;
   * every surviving peer is listed online with a fresh record; killed peers are gone;
   * the recovery happened within the bound the scenario states.
+Soft check (a warning in the verdict unless SWARMPIPE_COMPOSE_STRICT=1): a healed or
+replacement peer gets work from the trainer again within 90 s.
 Replicas: 2 per stage, so a stage keeps a live replica while the other one is faulted.
 """
 from __future__ import annotations
@@ -170,7 +172,8 @@ def test_kill_and_replace(scenario):
     if serving is not None:
         replacement_id = st.peer_id(replacement)
         took = wait_takes_work(sc, replacement_id, 90)
-        sc.check("replacement took work within 90 s", took is not None, f"{took:.0f} s" if took is not None else "never")
+        sc.check("replacement took work within 90 s", took is not None, f"{took:.0f} s" if took is not None else "never",
+                 soft=True)
         survivors.append(replacement)
     sc.recovery = (f"training went on after {continued:.0f} s; " if continued is not None else "") + \
         (f"replacement listed {serving:.0f} s after start (bound {bound})" if serving is not None else "replacement never served")
@@ -199,7 +202,8 @@ def test_pause_and_unpause(scenario):
     sc.check(f"unpaused peer listed online again within {bound} s", listed is not None,
              f"{listed:.0f} s" if listed is not None else "timed out")
     took = wait_takes_work(sc, victim_id, 90)
-    sc.check("unpaused peer took work again within 90 s", took is not None, f"{took:.0f} s" if took is not None else "never")
+    sc.check("unpaused peer took work again within 90 s", took is not None, f"{took:.0f} s" if took is not None else "never",
+                 soft=True)
     sc.recovery = f"listed again {listed:.0f} s after unpause (bound {bound})" if listed is not None else "never listed again"
     finish_training(sc, steps, st.peer_ids())
     sc.assert_passed()
@@ -233,7 +237,8 @@ def test_netem_delay_loss_rate(scenario):
     sc.check(f"impaired peer listed online within {bound} s after clearing", listed is not None,
              f"{listed:.0f} s" if listed is not None else "timed out")
     took = wait_takes_work(sc, victim_id, 90)
-    sc.check("impaired peer takes work after clearing", took is not None, f"{took:.0f} s" if took is not None else "never")
+    sc.check("impaired peer takes work after clearing", took is not None, f"{took:.0f} s" if took is not None else "never",
+                 soft=True)
     sc.recovery = f"listed {listed:.0f} s after clearing (bound {bound}); progress in every phase" if listed is not None else "not listed after clearing"
     finish_training(sc, steps, st.peer_ids())
     sc.assert_passed()
@@ -260,7 +265,8 @@ def test_partition_and_heal(scenario):
     sc.check(f"partitioned peer listed online again within {bound} s", listed is not None,
              f"{listed:.0f} s" if listed is not None else "timed out")
     took = wait_takes_work(sc, victim_id, 90)
-    sc.check("partitioned peer took work again within 90 s", took is not None, f"{took:.0f} s" if took is not None else "never")
+    sc.check("partitioned peer took work again within 90 s", took is not None, f"{took:.0f} s" if took is not None else "never",
+                 soft=True)
     sc.recovery = f"listed again {listed:.0f} s after reconnect (bound {bound})" if listed is not None else "never listed again"
     finish_training(sc, steps, st.peer_ids())
     sc.assert_passed()
@@ -347,7 +353,7 @@ def nemesis_plan(seed: int, seconds: float) -> list[tuple[float, str, int, int, 
 @pytest.mark.timeout(1200)
 def test_nemesis(scenario):
     seed = int(os.environ.get("SWARMPIPE_NEMESIS_SEED") or random.SystemRandom().randrange(1, 10**6))
-    seconds = float(os.environ.get("SWARMPIPE_NEMESIS_SECONDS", "150"))
+    seconds = float(os.environ.get("SWARMPIPE_NEMESIS_SECONDS", "120"))
     sc = scenario("nemesis", f"seeded random faults for {seconds:.0f} s, several at once (seed {seed})")
     print(f"NEMESIS SEED {seed} (rerun with SWARMPIPE_NEMESIS_SEED={seed})", flush=True)
     sc.facts["seed"] = seed
@@ -356,7 +362,7 @@ def test_nemesis(scenario):
     plan = nemesis_plan(seed, seconds)
     for item in plan:
         sc.note(f"plan: t={item[0]:>5}s {item[1]:<11} stage {item[2]} slot {item[3]} for {item[4]} s")
-    steps = start_training(sc, seconds + 90)
+    steps = start_training(sc, seconds + 60)
 
     slots = {(s, r): cid for s in range(2) for r, cid in enumerate(st.ids(f"peer{s}"))}
     service_of = {cid: f"peer{s}" for (s, _), cid in slots.items()}
@@ -420,6 +426,7 @@ def test_nemesis(scenario):
             cid = slots[slot]
             if kind == "kill":
                 dead_id = st.peer_id(cid)
+                st.short(cid)  # remember its name: add_replica removes the dead container
                 st.kill(cid)
                 killed.append(dead_id)
                 new = st.add_replica(service_of[cid])
