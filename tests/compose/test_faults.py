@@ -420,9 +420,13 @@ def test_nemesis(scenario):
                 sc.note(f"t={now:5.0f}s skipped kill (the coordinator is down)")
                 continue
             if slot in busy or slot in booting or healthy_replicas(stage) < 2:
-                skipped += 1  # keep a healthy replica in every stage
-                sc.note(f"t={now:5.0f}s skipped {kind} on stage {stage} (its other replica is faulted)")
-                continue
+                # Keep a healthy replica in every stage: move the fault to the other stage if it can take it.
+                if healthy_replicas(1 - stage) == 2:
+                    stage, slot = 1 - stage, (1 - stage, slot_r)
+                else:
+                    skipped += 1
+                    sc.note(f"t={now:5.0f}s skipped {kind} (no stage has two healthy replicas)")
+                    continue
             cid = slots[slot]
             if kind == "kill":
                 dead_id = st.peer_id(cid)
