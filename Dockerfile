@@ -64,9 +64,10 @@ RUN set -eu; missing=""; \
     command -v tc >/dev/null 2>&1 || missing="$missing iproute2"; \
     command -v iptables >/dev/null 2>&1 || missing="$missing iptables"; \
     if [ -n "$missing" ]; then \
-        apt-get update && apt-get install -y --no-install-recommends $missing && rm -rf /var/lib/apt/lists/*; \
+        apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends $missing \
+            && rm -rf /var/lib/apt/lists/*; \
     fi; \
-    useradd --system --uid 10001 --user-group --create-home --home-dir /home/swarm --shell /usr/sbin/nologin swarm; \
+    useradd --uid 10001 --user-group --create-home --home-dir /home/swarm --shell /usr/sbin/nologin swarm; \
     mkdir -p /data /bootstrap /reports /usr/local/lib/swarmpipe /opt/swarmpipe; \
     chown swarm:swarm /data /bootstrap /reports
 # The dependencies' venv (a layer that survives source edits), then the project's wheel into it.
