@@ -19,8 +19,9 @@ demo: setup
 test: setup
 	$(BIN)/python -m pytest tests -m "not compose" -q
 
+# COMPOSE_ARGS narrows the scenarios, e.g. COMPOSE_ARGS='-k "not nemesis"'
 compose-test: setup
-	$(BIN)/python -m pytest tests/compose -m compose -q -s
+	$(BIN)/python -m pytest tests/compose -m compose -q -s $(COMPOSE_ARGS)
 
 bench: setup
 	$(BIN)/python bench/convergence.py
