@@ -20,7 +20,7 @@ import torch
 
 from peer.channels import server_options, tune_allocator
 from peer.metrics import PeerMetrics
-from peer.stage_state import StageState, StateError, average_into, export_state, to_chunks
+from peer.stage_state import StageState, average_into, export_state, to_chunks
 from peer.state_transfer import receive_pushed
 from peer.stage_runtime import BackwardResult, StageRuntime, UnknownMicrobatch
 from peer.streaming import METHODS as STREAM_METHODS, frame_messages, reassemble
@@ -243,10 +243,7 @@ class StageServicer(swarm_pb2_grpc.StageServicer):
                 self.on_state_pushed(state)
             return swarm_pb2.PushStateResponse(accepted=True, version=self.runtime.version,
                                                detail=f"averaged state of version {state.version} into ours")
-        try:
-            return await self._serve("push_state", context, handle)
-        except StateError as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        return await self._serve("push_state", context, handle)  # StateError is a ValueError: INVALID_ARGUMENT
 
 
     async def Stream(self, request_iterator, context: grpc.aio.ServicerContext):
