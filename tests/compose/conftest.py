@@ -6,7 +6,7 @@ engine cannot be started the compose tests are skipped with a one-line reason;
 when the image fails to build they fail with the script's message.
 
 Environment knobs:
-  SWARMPIPE_COMPOSE_RATE      first guess of training speed, micro-batches/s (30); each
+  SWARMPIPE_COMPOSE_RATE      first guess of training speed, micro-batches/s (60); each
                               scenario measures it and sizes the next trainer run from it
   SWARMPIPE_NEMESIS_SEED      seed of the nemesis schedule (default: random, printed)
   SWARMPIPE_NEMESIS_SECONDS   how long the nemesis injects faults (120)
@@ -30,7 +30,7 @@ from compose_harness import REPO, Engine, HarnessError, Stack, prepare_engine, r
 RUN_DIR = REPO / "runs" / f"compose-{time.strftime('%Y%m%d-%H%M%S')}"
 RESULTS: list[dict] = []
 STRICT = os.environ.get("SWARMPIPE_COMPOSE_STRICT", "") not in ("", "0")
-STATE: dict = {"engine": None, "error": None, "skip": None, "rate": float(os.environ.get("SWARMPIPE_COMPOSE_RATE", "30"))}
+STATE: dict = {"engine": None, "error": None, "skip": None, "rate": float(os.environ.get("SWARMPIPE_COMPOSE_RATE", "60"))}
 
 
 def _is_compose(item: pytest.Item) -> bool:

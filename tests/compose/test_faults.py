@@ -401,6 +401,11 @@ def test_nemesis(scenario):
             if st.ready(cid) and st.peer_id(cid) in st.listed():
                 sc.note(f"t={now:5.0f}s replacement {st.short(cid)} serving")
                 del booting[slot]
+        if pending and st.trainer_step() >= 0.7 * steps:
+            # The trainer runs faster than its sizing assumed: heal what is active while it still trains.
+            sc.note(f"t={now:5.0f}s trainer at {st.trainer_step()}/{steps}: dropping the last {len(pending)} planned fault(s)")
+            skipped += len(pending)
+            pending.clear()
         if pending and now >= pending[0][0]:
             start, kind, stage, slot_r, duration = pending.pop(0)
             slot = (stage, slot_r)
@@ -418,6 +423,10 @@ def test_nemesis(scenario):
             if kind == "kill" and coordinator_down:
                 skipped += 1  # a replacement could not bootstrap its DHT without the coordinator
                 sc.note(f"t={now:5.0f}s skipped kill (the coordinator is down)")
+                continue
+            if kind == "kill" and any(k == "partition" for _, k, _ in busy.values()):
+                skipped += 1  # Docker would give the replacement the partitioned peer's address
+                sc.note(f"t={now:5.0f}s skipped kill (a partitioned peer's address must stay free)")
                 continue
             if slot in busy or slot in booting or healthy_replicas(stage) < 2:
                 # Keep a healthy replica in every stage: move the fault to the other stage if it can take it.
