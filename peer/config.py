@@ -33,7 +33,7 @@ class PeerConfig(CommonConfig):
     port: int = opt(0, "gRPC port (0 picks a free one)")
     dht_port: int = opt(0, "DHT port (0 picks a free one)")
     metrics_port: int = opt(-1, "Prometheus /metrics port (-1 disables, 0 picks a free one)")
-    announce_period: float = opt(5.0, "seconds between DHT announcements (records expire after 3 periods)")
+    announce_period: float = opt(5.0, "seconds between DHT announcements (records expire after 3 periods, 10 s at least)")
     drain_timeout: float = opt(20.0, "seconds to finish in-flight work on SIGTERM")
     ready_file: str = opt("", "write a JSON line with the peer's address and stage once it serves")
     spec_timeout: float = opt(120.0, "seconds to wait for the run spec in the DHT")

@@ -23,6 +23,7 @@ from peer.stage_server import StageServicer, start_server
 from peer.swarm_dht import SwarmDHT, reconnect_bootstrap, start_dht
 
 log = logging.getLogger("swarmpipe.peer")
+MIN_RECORD_TTL_S = 10.0
 
 
 class PeerDaemon:
@@ -158,12 +159,17 @@ class PeerDaemon:
                            throughput=s.runtime.throughput() if throughput is None else throughput,
                            updated_at=now(), metrics_address=self.metrics_address)
 
+    @property
+    def record_ttl(self) -> float:
+        # Three missed announcements, but never so short that a busy event loop lets a live record lapse.
+        return max(3 * self.cfg.announce_period, MIN_RECORD_TTL_S)
+
     async def _announce(self) -> None:
-        await self.swarm.announce_stage(self.servicer.runtime.stage, self.record(), ttl=3 * self.cfg.announce_period)
+        await self.swarm.announce_stage(self.servicer.runtime.stage, self.record(), ttl=self.record_ttl)
 
     async def announce_other(self, stage: int, record: StageRecord) -> None:
         """Announce under a stage we are moving to or leaving (rebalancing)."""
-        await self.swarm.announce_stage(stage, record, ttl=3 * self.cfg.announce_period)
+        await self.swarm.announce_stage(stage, record, ttl=self.record_ttl)
 
     async def _announce_loop(self) -> None:
         rounds = 0

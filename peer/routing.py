@@ -4,6 +4,12 @@ A peer's word (its announced throughput and queue) is only a prior; what this
 trainer observed (an EMA of call latency) takes over once it exists. Failing
 peers are banned with exponential backoff; unmeasured peers get an optimistic
 estimate so new replicas are tried.
+
+Old evidence is weak evidence. A peer whose only measurement is one slow call
+(a warm-up, a call that straddled a freeze) must not be starved forever, so a
+measurement fades with age toward the best fresh estimate of the stage, a peer
+not measured for ``PROBE_AFTER_S`` gets one probing call, and a stale estimate
+is replaced by the next measurement rather than blended with it.
 """
 from __future__ import annotations
 
@@ -16,6 +22,9 @@ from peer.records import StageRecord
 BAN_BASE_S = 2.0
 BAN_MAX_S = 60.0
 EMA_DECAY = 0.8
+STALE_AFTER_S = 5.0  # a latency measured longer ago than this starts to fade
+STALE_HALF_LIFE_S = 10.0
+PROBE_AFTER_S = 15.0  # an idle replica gets one call this often, so its estimate stays current
 
 
 @dataclass
@@ -31,6 +40,7 @@ class PeerView:
     failures: int = 0  # consecutive
     banned_until: float = 0.0
     calls: int = 0
+    measured_at: float = 0.0  # clock time of the newest latency measurement
     last_seen: float = field(default_factory=time.monotonic)
 
 
@@ -71,7 +81,22 @@ class Router:
 
     def _per_call_estimate(self, view: PeerView) -> float:
         if view.latency_ema is not None:
+            return self._measured_estimate(view)
+        return self._unmeasured_estimate(view)
+
+    def _measured_estimate(self, view: PeerView) -> float:
+        age = self.clock() - view.measured_at
+        if age <= STALE_AFTER_S:
             return view.latency_ema
+        fresh = [v.latency_ema for v in self.replicas(view.stage)
+                 if v is not view and v.latency_ema is not None and self.clock() - v.measured_at <= STALE_AFTER_S]
+        if not fresh or view.latency_ema <= min(fresh):
+            return view.latency_ema  # nothing better is known: keep what we saw
+        target = min(fresh)
+        weight = 0.5 ** ((age - STALE_AFTER_S) / STALE_HALF_LIFE_S)
+        return target + weight * (view.latency_ema - target)
+
+    def _unmeasured_estimate(self, view: PeerView) -> float:
         if view.reported_throughput > 0:
             return 1.0 / view.reported_throughput
         known = [v.latency_ema for v in self.replicas(view.stage) if v.latency_ema is not None]
@@ -81,6 +106,11 @@ class Router:
         candidates = self.available(stage, exclude)
         if not candidates:
             return None
+        t = self.clock()
+        overdue = [v for v in candidates if v.latency_ema is not None and v.in_flight == 0
+                   and t - v.measured_at > PROBE_AFTER_S]
+        if overdue and len(candidates) > 1:
+            return min(overdue, key=lambda v: v.measured_at)  # probe the longest-unmeasured replica
         # Small jitter spreads simultaneous choices across near-equal replicas.
         return min(candidates, key=lambda v: self.expected_finish(v) * (1 + 0.1 * self.rng.random()))
 
@@ -92,7 +122,9 @@ class Router:
     def succeeded(self, view: PeerView, seconds: float) -> None:
         view.in_flight = max(0, view.in_flight - 1)
         view.failures = 0
-        view.latency_ema = seconds if view.latency_ema is None else EMA_DECAY * view.latency_ema + (1 - EMA_DECAY) * seconds
+        stale = view.latency_ema is None or self.clock() - view.measured_at > STALE_AFTER_S
+        view.latency_ema = seconds if stale else EMA_DECAY * view.latency_ema + (1 - EMA_DECAY) * seconds
+        view.measured_at = self.clock()
 
     def failed(self, view: PeerView, ban: bool = True) -> float:
         """Record a failure; returns the ban length (0 if not banned)."""

@@ -122,7 +122,8 @@ def test_peer_joins_mid_run_with_replica_weights(swarm):
         served_after = time.monotonic() - t0
         joiner_info = swarm.wait_ready(joiner)
         loaded = [e for e in events_of(swarm, "state_loaded") if e["peer_id"] == joiner_info["peer_id"]]
-        assert loaded and loaded[0]["source"] == "replicas" and loaded[0]["seconds"] < 10
+        joiner_events = [e for e in swarm.read_events() if e.get("peer_id") == joiner_info["peer_id"]]
+        assert loaded and loaded[0]["source"] == "replicas" and loaded[0]["seconds"] < 10, joiner_events[:10]
         digests = [asyncio.run(download_state([info["address"]], "test", 1)).digest() for info in (donor_info, joiner_info)]
         assert digests[0] == digests[1] == loaded[0]["digest"]
         assert served_after < 60

@@ -7,7 +7,7 @@ from collections import Counter
 import pytest
 
 from peer.records import StageRecord
-from peer.routing import BAN_BASE_S, BAN_MAX_S, EMA_DECAY, Router
+from peer.routing import BAN_BASE_S, BAN_MAX_S, EMA_DECAY, PROBE_AFTER_S, STALE_AFTER_S, STALE_HALF_LIFE_S, Router
 
 pytestmark = pytest.mark.unit
 
@@ -102,6 +102,70 @@ def test_unmeasured_new_peer_gets_tried() -> None:
     r.started(new)
     r.succeeded(new, 5.0)
     assert r.choose(0) is old
+
+
+def measure(r: Router, peer_id: str, seconds: float) -> None:
+    view = r.peers[peer_id]
+    r.started(view)
+    r.succeeded(view, seconds)
+
+
+def test_one_slow_call_does_not_starve_a_peer_forever() -> None:
+    clock = FakeClock()
+    r = make_router(clock)
+    r.update_stage(0, {"warm": rec(1), "cold": rec(2)})
+    measure(r, "cold", 2.0)  # its first call paid a warm-up
+    measure(r, "warm", 0.02)
+    chosen = []
+    for _ in range(int(PROBE_AFTER_S) + 2):
+        clock.t += 1.0
+        view = r.choose(0)
+        chosen.append(view.peer_id)
+        measure(r, view.peer_id, 0.02)  # both are really fast now
+    assert chosen[:int(PROBE_AFTER_S) - 1] == ["warm"] * (int(PROBE_AFTER_S) - 1)
+    assert "cold" in chosen  # probed once its measurement was overdue
+    assert r.peers["cold"].latency_ema == pytest.approx(0.02)  # the stale 2 s was replaced, not blended
+
+
+def test_no_second_probe_while_one_is_in_flight() -> None:
+    clock = FakeClock()
+    r = make_router(clock)
+    r.update_stage(0, {"a": rec(1), "b": rec(2)})
+    measure(r, "a", 2.0)
+    measure(r, "b", 0.02)
+    clock.t += PROBE_AFTER_S + 1
+    measure(r, "b", 0.02)
+    r.started(r.peers["a"])  # a probe is already out
+    assert r.choose(0).peer_id == "b"
+
+
+def test_fading_follows_the_half_life() -> None:
+    clock = FakeClock()
+    r = make_router(clock)
+    r.update_stage(0, {"a": rec(1), "b": rec(2)})
+    measure(r, "a", 1.0)
+    measure(r, "b", 0.1)
+    clock.t += STALE_AFTER_S
+    measure(r, "b", 0.1)  # b stays fresh
+    assert r._per_call_estimate(r.peers["a"]) == pytest.approx(1.0)  # not stale yet
+    clock.t += STALE_HALF_LIFE_S / 2
+    measure(r, "b", 0.1)
+    clock.t += STALE_HALF_LIFE_S / 2
+    measure(r, "b", 0.1)
+    assert r._per_call_estimate(r.peers["a"]) == pytest.approx(0.1 + 0.5 * 0.9)
+
+
+def test_stale_estimate_kept_when_nothing_fresher_is_known() -> None:
+    clock = FakeClock()
+    r = make_router(clock)
+    r.update_stage(0, {"a": rec(1), "b": rec(2)})
+    measure(r, "a", 0.05)
+    measure(r, "b", 0.5)
+    clock.t += 100.0
+    assert r._per_call_estimate(r.peers["a"]) == pytest.approx(0.05)
+    assert r._per_call_estimate(r.peers["b"]) == pytest.approx(0.5)  # no fresh replica: no evidence to fade toward
+    measure(r, "b", 0.5)
+    assert r._per_call_estimate(r.peers["a"]) == pytest.approx(0.05)  # faster than the fresh one: never faded upward
 
 
 def test_unmeasured_estimate_without_any_measurement() -> None:
