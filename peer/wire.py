@@ -31,6 +31,7 @@ DTYPES: dict[str, torch.dtype] = {
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 FLOAT_CODECS = ("fp16", "bf16", "uint8", "blockwise8")
 BLOCK_SIZE = 1024
+CHUNK = 1 << 18  # 8-bit codecs work through 1 MiB of float32 at a time: every pass stays in cache
 FP16_MAX = 65504.0  # blockwise8: one absmax scale per block of this many values
 
 
@@ -126,13 +127,19 @@ def _encode_uint8(flat: torch.Tensor) -> bytes:
     if not (math.isfinite(lo) and math.isfinite(hi)):  # NaN/Inf: send the old slow way; the receiver rejects it
         scale = (hi - lo) / 255.0 or 1.0  # a NaN/Inf scale in the header makes the decoded tensor non-finite
         q = ((flat - lo) / scale).nan_to_num_(0.0).round_().clamp_(0, 255).to(torch.uint8)
-    else:
-        # float32 header: round the scale through float32 so sender and receiver use the same one
-        scale = float(torch.tensor((hi - lo) / 255.0, dtype=torch.float32)) or 1.0
-        lo = float(torch.tensor(lo, dtype=torch.float32))
-        q = _quantize(flat - lo, scale, torch.quint8)
-    header = torch.tensor([lo, scale], dtype=torch.float32)
-    return bytes(raw_view(header)) + bytes(raw_view(q))
+        header = torch.tensor([lo, scale], dtype=torch.float32)
+        return bytes(raw_view(header)) + bytes(raw_view(q))
+    # float32 header: round the scale through float32 so sender and receiver use the same one
+    scale = float(torch.tensor((hi - lo) / 255.0, dtype=torch.float32)) or 1.0
+    lo = float(torch.tensor(lo, dtype=torch.float32))
+    out = bytearray(8 + flat.numel())  # quantized straight into the message buffer, chunk by chunk
+    torch.frombuffer(out, dtype=torch.float32, count=2).copy_(torch.tensor([lo, scale]))
+    if flat.numel():
+        q_out = torch.frombuffer(out, dtype=torch.uint8, offset=8)
+        for i in range(0, flat.numel(), CHUNK):
+            chunk = flat[i:i + CHUNK]
+            q_out[i:i + chunk.numel()].copy_(_quantize(chunk - lo, scale, torch.quint8))
+    return bytes(out)
 
 
 def _blocks(flat: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -146,13 +153,26 @@ def _blocks(flat: torch.Tensor) -> tuple[torch.Tensor, int]:
 
 def _encode_blockwise8(flat: torch.Tensor) -> bytes:
     padded, n = _blocks(flat)
-    absmax = padded.abs().amax(dim=1).clamp_(min=1e-12)
-    if all_finite(absmax):
-        # |x| / absmax * 127 lies in [-127, 127]: the fused quantizer rounds and casts in one pass
-        q = _quantize(padded * (127.0 / absmax)[:, None], 1.0, torch.qint8).reshape(-1)[:n]
-    else:  # NaN/Inf go as they are (the receiver rejects them)
-        q = (padded / absmax[:, None] * 127.0).round_().clamp_(-127, 127).to(torch.int8).reshape(-1)[:n]
-    return bytes(raw_view(absmax)) + bytes(raw_view(q))
+    blocks = padded.shape[0]
+    if not n:
+        return b""
+    out = bytearray(4 * blocks + n)  # [absmax per block, float32][int8 values], filled chunk by chunk
+    absmax_out = torch.frombuffer(out, dtype=torch.float32, count=blocks)
+    q_out = torch.frombuffer(out, dtype=torch.int8, offset=4 * blocks)
+    rows_per_chunk = CHUNK // BLOCK_SIZE
+    for b in range(0, blocks, rows_per_chunk):
+        rows = padded[b:b + rows_per_chunk]
+        absmax = rows.abs().amax(dim=1).clamp_(min=1e-12)
+        absmax_out[b:b + rows.shape[0]] = absmax
+        if all_finite(absmax):
+            # |x| / absmax * 127 lies in [-127, 127]: the fused quantizer rounds and casts in one pass
+            q = _quantize(rows * (127.0 / absmax)[:, None], 1.0, torch.qint8).view(torch.int8).reshape(-1)
+        else:  # NaN/Inf go as they are (the receiver rejects them)
+            q = (rows / absmax[:, None] * 127.0).round_().clamp_(-127, 127).to(torch.int8).reshape(-1)
+        start = b * BLOCK_SIZE
+        count = min(q.numel(), n - start)  # the padded tail is not sent
+        q_out[start:start + count].copy_(q[:count])
+    return bytes(out)
 
 
 def decode(
@@ -203,13 +223,32 @@ def _decode_payload(data: bytes, codec: str, dtype: torch.dtype, numel: int) -> 
     if codec == "uint8":
         lo, scale = _from_raw(data, torch.float32, 2).tolist()
         q = _from_raw(data, torch.uint8, numel, offset=8)
-        return q.to(torch.float32).mul_(scale).add_(lo).to(dtype)
+        out = torch.empty(numel, dtype=torch.float32)
+        lo_t = torch.tensor(lo, dtype=torch.float32)
+        for i in range(0, numel, CHUNK):  # lo + scale * q in one fused pass per cache-sized chunk
+            torch.add(lo_t, q[i:i + CHUNK], alpha=scale, out=out[i:i + CHUNK])
+        return out.to(dtype)
     if codec == "blockwise8":
-        blocks = math.ceil(numel / BLOCK_SIZE)
-        absmax = _from_raw(data, torch.float32, blocks)
-        q, _ = _blocks(_from_raw(data, torch.int8, numel, offset=4 * blocks).to(torch.float32))
-        return q.mul_((absmax / 127.0)[:, None]).reshape(-1)[:numel].to(dtype)
+        return _decode_blockwise8(data, numel).to(dtype)
     raise WireError(f"unknown codec {codec!r}")
+
+
+def _decode_blockwise8(data: bytes, numel: int) -> torch.Tensor:
+    blocks = math.ceil(numel / BLOCK_SIZE)
+    out = torch.empty(numel, dtype=torch.float32)
+    if not numel:
+        return out
+    scales = _from_raw(data, torch.float32, blocks) / 127.0
+    q = _from_raw(data, torch.int8, numel, offset=4 * blocks)
+    full = numel // BLOCK_SIZE
+    rows_per_chunk = CHUNK // BLOCK_SIZE
+    for b in range(0, full, rows_per_chunk):
+        rows = min(rows_per_chunk, full - b)
+        span = slice(b * BLOCK_SIZE, (b + rows) * BLOCK_SIZE)
+        torch.mul(q[span].view(rows, BLOCK_SIZE), scales[b:b + rows, None], out=out[span].view(rows, BLOCK_SIZE))
+    if numel > full * BLOCK_SIZE:  # the ragged last block
+        torch.mul(q[full * BLOCK_SIZE:], scales[full], out=out[full * BLOCK_SIZE:])
+    return out
 
 
 def is_empty(msg: swarm_pb2.Tensor) -> bool:

@@ -8,6 +8,7 @@ import torch
 
 from peer.wire import (
     BLOCK_SIZE,
+    CHUNK,
     DTYPES,
     WireError,
     decode,
@@ -334,3 +335,29 @@ def test_fp16_codec_keeps_large_finite_values_finite() -> None:
         return  # refusing at encode time with a clear error would also be acceptable
     y = decode(msg)
     assert bool(torch.isfinite(y).all())
+
+
+@pytest.mark.parametrize("n", [CHUNK - 1, CHUNK, 2 * CHUNK + 5, 3 * CHUNK + 2 * BLOCK_SIZE + 7])
+def test_8bit_codecs_chunked_match_a_one_pass_reference(n: int) -> None:
+    """The chunked encoders write exactly the bytes of a plain one-pass quantizer; the decoders invert them."""
+    x = torch.randn(n, generator=torch.Generator().manual_seed(n)) * 3
+    lo, hi = float(x.min()), float(x.max())
+    scale = float(torch.tensor((hi - lo) / 255.0, dtype=torch.float32))
+    lo32 = float(torch.tensor(lo, dtype=torch.float32))
+    q = ((x - lo32) / scale).round().clamp(0, 255).to(torch.uint8)
+    msg = encode(x, "uint8")
+    header = torch.frombuffer(bytearray(msg.data[:8]), dtype=torch.float32)
+    assert header.tolist() == pytest.approx([lo32, scale])
+    mismatched = (torch.frombuffer(bytearray(msg.data[8:]), dtype=torch.uint8).int() - q.int()).abs()
+    assert int(mismatched.max()) <= 1 and float((mismatched > 0).float().mean()) < 1e-3  # round-half ties only
+    assert float((decode(msg) - x).abs().max()) <= scale * 0.51
+
+    blocks = math.ceil(n / BLOCK_SIZE)
+    padded = torch.nn.functional.pad(x, (0, blocks * BLOCK_SIZE - n)).view(blocks, BLOCK_SIZE)
+    absmax = padded.abs().amax(dim=1)
+    msg = encode(x, "blockwise8")
+    sent = torch.frombuffer(bytearray(msg.data[:4 * blocks]), dtype=torch.float32)
+    assert torch.equal(sent, absmax)
+    decoded = decode(msg)
+    bound = (absmax / 127.0).repeat_interleave(BLOCK_SIZE)[:n] * 0.51
+    assert bool(((decoded - x).abs() <= bound).all())
