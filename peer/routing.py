@@ -114,6 +114,14 @@ class Router:
         # Small jitter spreads simultaneous choices across near-equal replicas.
         return min(candidates, key=lambda v: self.expected_finish(v) * (1 + 0.1 * self.rng.random()))
 
+    def latency_ms(self) -> dict[int, dict[str, float]]:
+        """Per stage, each measured replica's call latency as this trainer sees it (for the event log)."""
+        out: dict[int, dict[str, float]] = {}
+        for v in self.peers.values():
+            if v.latency_ema is not None:
+                out.setdefault(v.stage, {})[v.peer_id[-6:]] = round(1e3 * v.latency_ema, 1)
+        return dict(sorted(out.items()))
+
     # ------------------------------------------------------------ feedback
     def started(self, view: PeerView) -> None:
         view.in_flight += 1

@@ -153,7 +153,7 @@ class Trainer:
                 self.events.emit("progress", level=logging.DEBUG, step=p.completed, loss=p.loss_ema(),
                                  samples_per_s=round(p.samples_per_s(runner.spec.microbatch_size), 2),
                                  recent_samples_per_s=round(p.recent_samples_per_s(runner.spec.microbatch_size), 2),
-                                 retried=p.retried, target=target)
+                                 retried=p.retried, target=target, call_ms=runner.router.latency_ms())
         if tasks:
             await asyncio.gather(*tasks)
 

@@ -330,3 +330,12 @@ def test_jitter_does_not_override_a_clear_winner() -> None:
     r = Router(1, rng=random.Random(0), clock=FakeClock())
     r.update_stage(0, {"fast": rec(1, throughput=12), "slow": rec(2, throughput=10)})
     assert {r.choose(0).peer_id for _ in range(200)} == {"fast"}  # 20 % apart > 10 % jitter
+
+
+def test_latency_ms_per_stage_for_the_event_log() -> None:
+    r = make_router()
+    r.update_stage(0, {"peer-aaaaaa": rec(1), "peer-bbbbbb": rec(2)})
+    r.update_stage(1, {"peer-cccccc": rec(3)})
+    measure(r, "peer-aaaaaa", 0.0123)
+    measure(r, "peer-cccccc", 0.5)
+    assert r.latency_ms() == {0: {"aaaaaa": 12.3}, 1: {"cccccc": 500.0}}
