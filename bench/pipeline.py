@@ -86,10 +86,11 @@ class LocalSwarm:
     (e.g. ``ip netns exec NS``) when ``wrap`` says so for that stage."""
 
     def __init__(self, workdir: Path, stages: int, d_model: int = 128, seq_len: int = 64, mb: int = 16,
-                 codec: str = "fp16", host: str = "127.0.0.1", run_id: str = "bench"):
+                 codec: str = "fp16", host: str = "127.0.0.1", run_id: str = "bench", extra_spec: str = ""):
         self.workdir, self.stages, self.host, self.run_id = Path(workdir), stages, host, run_id
         self.group = ProcessGroup(self.workdir, env={"SWARMPIPE_LOG_LEVEL": "WARNING"})
         self.spec_values = dict(run_id=run_id, stages=stages, mb=mb, d_model=d_model, seq_len=seq_len, codec=codec)
+        self.extra_spec = extra_spec  # whole TOML tables appended to the spec
         self.maddr = ""
         self.peers: list[dict] = []  # ready-file contents, by stage
         self._stubs: list = []
@@ -98,7 +99,7 @@ class LocalSwarm:
     def start(self, peer_hosts: dict[int, tuple[str, list[str]]] | None = None) -> None:
         """``peer_hosts``: stage -> (host, command prefix) for peers that live elsewhere (a namespace)."""
         spec = self.workdir / "spec.toml"
-        spec.write_text(SPEC.format(**self.spec_values))
+        spec.write_text(SPEC.format(**self.spec_values) + self.extra_spec)
         peers_file = self.workdir / "initial_peers.txt"
         coord = self.group.start("coordinator", "coordinator", "--spec", str(spec), "--http-port", "0",
                                  "--peers-file", str(peers_file), "--checkpoint-every", "0", "--host", self.host)

@@ -1,7 +1,7 @@
 """Prometheus metrics of one peer (served on ``--metrics-port``)."""
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, start_http_server
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 DELAY_BUCKETS = (0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
@@ -11,6 +11,7 @@ class PeerMetrics:
     def __init__(self, registry: CollectorRegistry | None = None):
         self.registry = registry or CollectorRegistry()
         r = self.registry
+        ProcessCollector(registry=r)  # process_cpu_seconds_total and friends: CPU beside compute busy time
         self.requests = Counter("swarmpipe_requests_total", "RPCs served", ["method"], registry=r)
         self.errors = Counter("swarmpipe_errors_total", "RPCs rejected or failed", ["method", "kind"], registry=r)
         self.bytes_in = Counter("swarmpipe_received_bytes_total", "Tensor payload bytes received", ["codec"], registry=r)
@@ -18,6 +19,10 @@ class PeerMetrics:
         self.queue = Gauge("swarmpipe_queue_depth", "Requests waiting for compute", registry=r)
         self.latency = Histogram(
             "swarmpipe_compute_seconds", "Compute time per call", ["method"], buckets=LATENCY_BUCKETS, registry=r
+        )
+        self.batch = Histogram(
+            "swarmpipe_batch_microbatches", "Micro-batches per compute call (server-side batching)", ["method"],
+            buckets=(1, 2, 3, 4, 6, 8, 12, 16), registry=r,
         )
         self.delay = Histogram(
             "swarmpipe_gradient_delay_steps", "Local updates between a micro-batch's forward and backward",

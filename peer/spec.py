@@ -55,6 +55,14 @@ class UpdateSpec:
 
 
 @dataclass
+class BatchingSpec:
+    """Server-side batching: requests that queue behind a busy stage run as one compute call."""
+    max_microbatches: int = 4  # requests merged into one forward / backward (1 disables batching)
+    wait_ms: float = 0.0  # how long a lone request waits for company (0: batches form only under load)
+    backward_wait_ms: float = 10.0  # a backward waits this long for the rest of its forward batch
+
+
+@dataclass
 class CompressionSpec:
     activations: str = "fp16"
     gradients: str = "fp16"
@@ -82,6 +90,7 @@ class RunSpec:
     model: ModelSpec = field(default_factory=ModelSpec)
     optimizer: OptimizerSpec = field(default_factory=OptimizerSpec)
     update: UpdateSpec = field(default_factory=UpdateSpec)
+    batching: BatchingSpec = field(default_factory=BatchingSpec)
     compression: CompressionSpec = field(default_factory=CompressionSpec)
     limits: LimitsSpec = field(default_factory=LimitsSpec)
 
@@ -115,6 +124,9 @@ class RunSpec:
             raise SpecError(f"unknown optimizer kind {self.optimizer.kind!r}")
         if self.microbatch_size < 1 or self.update.step_every < 1:
             raise SpecError("microbatch_size and update.step_every must be >= 1")
+        b = self.batching
+        if b.max_microbatches < 1 or not 0 <= b.wait_ms <= 1000 or not 0 <= b.backward_wait_ms <= 1000:
+            raise SpecError("batching: max_microbatches must be >= 1 and waits within 0..1000 ms")
         return self
 
     def to_dict(self) -> dict[str, Any]:

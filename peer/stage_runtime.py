@@ -29,12 +29,18 @@ class UnknownMicrobatch(KeyError):
 
 
 @dataclass
-class ForwardRecord:
+class ForwardGroup:
+    """One forward call over one or more micro-batches (batched on the server), on one weight snapshot."""
     version: int
-    inputs: torch.Tensor
+    inputs: torch.Tensor  # the micro-batches' inputs, concatenated along the batch dimension
     output: torch.Tensor  # carries the autograd graph to the snapshot
     params: dict[str, torch.Tensor]
     created_at: float
+    rows: dict[str, slice]  # micro-batch id -> its rows in inputs / output
+    outstanding: set[str]  # members whose backward has not run yet
+
+    def forget(self, microbatch_id: str) -> None:
+        self.outstanding.discard(microbatch_id)
 
 
 @dataclass
@@ -54,6 +60,7 @@ class RuntimeStats:
     steps: int = 0
     dropped_stale: int = 0
     dropped_nonfinite: int = 0
+    recomputed: int = 0  # backwards of batched forwards whose siblings came apart (one extra forward each)
     expired: int = 0
     samples: int = 0
     busy_seconds: float = 0.0  # time spent computing: busy fraction = its rate of change
@@ -70,7 +77,7 @@ class StageRuntime:
         self.is_last = self.module.is_last
         self.optimizer = build_optimizer(self.module.named_parameters(), spec.optimizer, stage, spec.num_stages)
         self.version = 0  # optimizer steps applied to the live weights
-        self.pending: OrderedDict[str, ForwardRecord] = OrderedDict()
+        self.pending: OrderedDict[str, ForwardGroup] = OrderedDict()  # micro-batch id -> its forward
         self.max_pending = max_pending
         self.stats = RuntimeStats()
         self._accumulated = 0
@@ -86,38 +93,111 @@ class StageRuntime:
         return self._snapshot[1]
 
     def forward(self, microbatch_id: str, inputs: torch.Tensor) -> torch.Tensor:
+        return self.forward_many([(microbatch_id, inputs)])[0]
+
+    def forward_many(self, items: list[tuple[str, torch.Tensor]]) -> list[torch.Tensor]:
+        """One forward over several micro-batches (same trailing shape); their backwards may come together or apart."""
         started = time.perf_counter()
         self.expire()
-        if microbatch_id in self.pending:
-            del self.pending[microbatch_id]  # a retried forward replaces the old record
+        ids = [mb for mb, _ in items]
+        if len(set(ids)) != len(ids):
+            raise ValueError("a batch holds the same micro-batch id twice")
+        if len({tuple(x.shape[1:]) for _, x in items}) != 1:
+            raise ValueError("micro-batches in one batch must share their trailing shape")
+        for mb in ids:
+            self._forget(mb)  # a retried forward replaces the old record
         params = self._params_snapshot()
-        x = inputs if self.is_first else inputs.detach().float().requires_grad_(True)
+        joined = torch.cat([x for _, x in items]) if len(items) > 1 else items[0][1]
+        x = joined if self.is_first else joined.detach().float().requires_grad_(True)
         output = functional_call(self.module, params, (x,))
-        self.pending[microbatch_id] = ForwardRecord(self.version, x, output, params, time.monotonic())
+        bounds = torch.tensor([0] + [t.shape[0] for _, t in items]).cumsum(0).tolist()
+        rows = {mb: slice(bounds[i], bounds[i + 1]) for i, mb in enumerate(ids)}
+        group = ForwardGroup(self.version, x, output, params, time.monotonic(), rows, set(ids))
+        for mb in ids:
+            self.pending[mb] = group
         while len(self.pending) > self.max_pending:
-            self.pending.popitem(last=False)
+            self._forget(next(iter(self.pending)))
             self.stats.expired += 1
-        self.stats.forwards += 1
-        self._observe(time.perf_counter() - started, inputs.shape[0], weight=1 / 3)
-        return output.detach()
+        self.stats.forwards += len(items)
+        self._observe(time.perf_counter() - started, x.shape[0], weight=1 / 3)
+        detached = output.detach()
+        return [detached[rows[mb]] for mb in ids]
 
     def backward(self, microbatch_id: str, grad_output: torch.Tensor) -> BackwardResult:
-        record = self.pending.pop(microbatch_id, None)
-        if record is None:
-            raise UnknownMicrobatch(f"stage {self.stage} holds no forward for micro-batch {microbatch_id!r}")
-        if grad_output.shape != record.output.shape:
-            self.pending[microbatch_id] = record  # caller error: keep the record for a correct retry
-            raise ValueError(f"grad_output shape {list(grad_output.shape)} does not match output {list(record.output.shape)}")
-        started = time.perf_counter()
-        names = list(record.params)
-        wrt = ([] if self.is_first else [record.inputs]) + [record.params[n] for n in names]
-        grads = torch.autograd.grad(record.output, wrt, grad_output.to(record.output.dtype), allow_unused=True)
-        grad_input = None if self.is_first else grads[0]
-        param_grads = grads[0 if self.is_first else 1:]
-        result = self._apply(dict(zip(names, param_grads)), self.version - record.version)
-        result.grad_input = grad_input
-        self._observe(time.perf_counter() - started, record.inputs.shape[0], weight=2 / 3)
+        result = self.backward_many([(microbatch_id, grad_output)])[0]
+        if isinstance(result, Exception):
+            raise result
         return result
+
+    def backward_many(self, items: list[tuple[str, torch.Tensor]]) -> list[BackwardResult | Exception]:
+        """Backwards of several micro-batches; one result or exception (bad id, bad shape) per item.
+
+        Members of one forward group that all arrived together share one backward
+        through the group's graph; members that come apart are recomputed on the
+        group's stashed snapshot (exact, one extra forward for their rows), so a
+        late sibling never makes the others differentiate the whole group twice.
+        """
+        results: list[BackwardResult | Exception | None] = [None] * len(items)
+        by_group: dict[int, list[tuple[int, str, torch.Tensor]]] = {}
+        groups: dict[int, ForwardGroup] = {}
+        seen: set[str] = set()
+        for i, (mb, grad) in enumerate(items):
+            group = self.pending.get(mb)
+            if group is None or mb in seen:
+                results[i] = UnknownMicrobatch(f"stage {self.stage} holds no forward for micro-batch {mb!r}")
+                continue
+            want = (group.rows[mb].stop - group.rows[mb].start, *group.output.shape[1:])
+            if tuple(grad.shape) != want:  # caller error: the record stays for a correct retry
+                results[i] = ValueError(f"grad_output shape {list(grad.shape)} does not match output {list(want)}")
+                continue
+            seen.add(mb)
+            by_group.setdefault(id(group), []).append((i, mb, grad))
+            groups[id(group)] = group
+        for key, members in by_group.items():
+            for i, result in self._backward_group(groups[key], members):
+                results[i] = result
+        return results  # type: ignore[return-value]
+
+    def _backward_group(self, group: ForwardGroup, members: list[tuple[int, str, torch.Tensor]]):
+        started = time.perf_counter()
+        ids = [mb for _, mb, _ in members]
+        for mb in ids:
+            self._forget(mb)
+        if not group.outstanding:  # every member still owed is here: one backward through the group's graph
+            grad_full = torch.zeros_like(group.output)
+            for _, mb, grad in members:
+                grad_full[group.rows[mb]] = grad.to(grad_full.dtype)
+            x, output, grad_output = group.inputs, group.output, grad_full
+            rows = {mb: group.rows[mb] for mb in ids}
+        else:  # siblings are still out: recompute just these rows on the stashed weights
+            sub = [group.inputs[group.rows[mb]].detach() for mb in ids]
+            joined = torch.cat(sub)
+            x = joined if self.is_first else joined.requires_grad_(True)
+            output = functional_call(self.module, group.params, (x,))
+            grad_output = torch.cat([g.to(output.dtype) for _, _, g in members])
+            bounds = torch.tensor([0] + [t.shape[0] for t in sub]).cumsum(0).tolist()
+            rows = {mb: slice(bounds[k], bounds[k + 1]) for k, mb in enumerate(ids)}
+            self.stats.recomputed += len(ids)
+        grad_input, param_grads = self._differentiate(output, grad_output, x, group.params)
+        shared = self._apply(param_grads, self.version - group.version, count=len(ids))
+        self._observe(time.perf_counter() - started, sum(r.stop - r.start for r in rows.values()), weight=2 / 3)
+        for i, mb, _ in members:
+            yield i, BackwardResult(None if grad_input is None else grad_input[rows[mb]], shared.delay, shared.applied,
+                                    shared.dropped_reason)
+
+    def _forget(self, microbatch_id: str) -> None:
+        group = self.pending.pop(microbatch_id, None)
+        if group is not None:
+            group.forget(microbatch_id)
+
+    def _differentiate(self, output: torch.Tensor, grad_output: torch.Tensor | None, x: torch.Tensor,
+                       params: dict[str, torch.Tensor]) -> tuple[torch.Tensor | None, dict[str, torch.Tensor | None]]:
+        """Gradients of ``output`` (a scalar loss when ``grad_output`` is None) for the input and the weights."""
+        names = list(params)
+        wrt = ([] if self.is_first else [x]) + [params[n] for n in names]
+        grads = torch.autograd.grad(output, wrt, grad_output, allow_unused=True)
+        grad_input = None if self.is_first else grads[0]
+        return grad_input, dict(zip(names, grads[0 if self.is_first else 1:]))
 
     def replay_backward(self, inputs: torch.Tensor, grad_output: torch.Tensor) -> BackwardResult:
         """Backward for a forward that ran on another (vanished) replica: recompute here on live weights."""
@@ -126,53 +206,75 @@ class StageRuntime:
         output = self.module(x)
         if grad_output.shape != output.shape:
             raise ValueError(f"grad_output shape {list(grad_output.shape)} does not match output {list(output.shape)}")
-        params = dict(self.module.named_parameters())
-        wrt = ([] if self.is_first else [x]) + list(params.values())
-        grads = torch.autograd.grad(output, wrt, grad_output.to(output.dtype), allow_unused=True)
+        grad_input, param_grads = self._differentiate(output, grad_output.to(output.dtype), x,
+                                                      dict(self.module.named_parameters()))
         self.stats.replays += 1
-        result = self._apply(dict(zip(params, grads[0 if self.is_first else 1:])), 0)
-        result.grad_input = None if self.is_first else grads[0]
+        result = self._apply(param_grads, 0)
+        result.grad_input = grad_input
         self._observe(time.perf_counter() - started, inputs.shape[0], weight=1.0)
         return result
 
     def forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor) -> BackwardResult:
-        """Last stage: loss and input gradient in one call, on the live weights (delay 0)."""
-        if not self.is_last:
-            raise ValueError(f"stage {self.stage} is not the last stage; ForwardBackward is for stage {self.spec.num_stages - 1}")
-        started = time.perf_counter()
-        x = inputs if self.is_first else inputs.detach().float().requires_grad_(True)
-        logits = self.module(x)
-        if targets.shape != logits.shape[:-1]:
-            raise ValueError(f"targets shape {list(targets.shape)} does not match logits {list(logits.shape[:-1])}")
-        if targets.numel() and (targets.min() < 0 or targets.max() >= logits.shape[-1]):
-            raise ValueError(f"targets must lie in [0, {logits.shape[-1]})")
-        loss = lm_loss(logits, targets)
-        params = dict(self.module.named_parameters())
-        wrt = ([] if self.is_first else [x]) + list(params.values())
-        grads = torch.autograd.grad(loss, wrt, allow_unused=True)
-        self.stats.forwards += 1
-        result = self._apply(dict(zip(params, grads[0 if self.is_first else 1:])), 0)
-        result.grad_input = None if self.is_first else grads[0]
-        result.loss = float(loss.detach())
-        self._observe(time.perf_counter() - started, inputs.shape[0], weight=1.0)
+        result = self.forward_backward_many([(inputs, targets)])[0]
+        if isinstance(result, Exception):
+            raise result
         return result
 
+    def forward_backward_many(self, items: list[tuple[torch.Tensor, torch.Tensor]]) -> list[BackwardResult | Exception]:
+        """Last stage: each micro-batch's loss and input gradient, in one pass on the live weights (delay 0).
+
+        The micro-batches' losses are summed: rows never interact, so each input
+        gradient is exactly its own loss's, and the weights take one step with
+        the mean of their gradients (as if they had been accumulated)."""
+        if not self.is_last:
+            raise ValueError(f"stage {self.stage} is not the last stage; ForwardBackward is for stage {self.spec.num_stages - 1}")
+        results: list[BackwardResult | Exception | None] = [None] * len(items)
+        good = []
+        for i, (inputs, targets) in enumerate(items):
+            if tuple(targets.shape) != tuple(inputs.shape[:2]):
+                results[i] = ValueError(f"targets shape {list(targets.shape)} does not match inputs {list(inputs.shape[:2])}")
+            elif targets.numel() and (targets.min() < 0 or targets.max() >= self.spec.model.vocab_size):
+                results[i] = ValueError(f"targets must lie in [0, {self.spec.model.vocab_size})")
+            elif good and tuple(inputs.shape[1:]) != tuple(items[good[0]][0].shape[1:]):
+                results[i] = ValueError("micro-batches in one batch must share their trailing shape")
+            else:
+                good.append(i)
+        if not good:
+            return results  # type: ignore[return-value]
+        started = time.perf_counter()
+        joined = torch.cat([items[i][0] for i in good]) if len(good) > 1 else items[good[0]][0]
+        x = joined if self.is_first else joined.detach().float().requires_grad_(True)
+        logits = self.module(x)
+        bounds = torch.tensor([0] + [items[i][0].shape[0] for i in good]).cumsum(0).tolist()
+        rows = [slice(bounds[k], bounds[k + 1]) for k in range(len(good))]
+        losses = [lm_loss(logits[r], items[i][1]) for r, i in zip(rows, good)]
+        grad_input, param_grads = self._differentiate(torch.stack(losses).sum(), None, x,
+                                                      dict(self.module.named_parameters()))
+        self.stats.forwards += len(good)
+        shared = self._apply(param_grads, 0, count=len(good))
+        for k, (r, i) in enumerate(zip(rows, good)):
+            results[i] = BackwardResult(None if grad_input is None else grad_input[r], 0, shared.applied,
+                                        shared.dropped_reason, loss=float(losses[k].detach()))
+        self._observe(time.perf_counter() - started, x.shape[0], weight=1.0)
+        return results  # type: ignore[return-value]
+
     # ---------------------------------------------------------------- updates
-    def _apply(self, grads: dict[str, torch.Tensor | None], delay: int) -> BackwardResult:
-        self.stats.backwards += 1
-        self.stats.delays[delay] += 1
+    def _apply(self, grads: dict[str, torch.Tensor | None], delay: int, count: int = 1) -> BackwardResult:
+        """Add the summed gradients of ``count`` micro-batches; step once ``step_every`` have accumulated."""
+        self.stats.backwards += count
+        self.stats.delays[delay] += count
         if delay > self.spec.update.max_staleness:
-            self.stats.dropped_stale += 1
+            self.stats.dropped_stale += count
             return BackwardResult(None, delay, False, f"stale: delay {delay} > bound {self.spec.update.max_staleness}")
         if not all(g is None or bool(torch.isfinite(g).all()) for g in grads.values()):
-            self.stats.dropped_nonfinite += 1
+            self.stats.dropped_nonfinite += count
             return BackwardResult(None, delay, False, "non-finite gradient")
         for name, p in self.module.named_parameters():
             g = grads.get(name)
             if g is None:
                 continue
             p.grad = g.detach().clone() if p.grad is None else p.grad.add_(g)
-        self._accumulated += 1
+        self._accumulated += count
         if self._accumulated >= self.spec.update.step_every:
             self._step()
         return BackwardResult(None, delay, True)
@@ -200,7 +302,7 @@ class StageRuntime:
         bound = self.spec.update.max_staleness
         dead = [k for k, r in self.pending.items() if now - r.created_at > ttl or self.version - r.version > bound]
         for key in dead:
-            del self.pending[key]
+            self._forget(key)
         self.stats.expired += len(dead)
         return len(dead)
 

@@ -13,12 +13,14 @@ import asyncio
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable
+from dataclasses import dataclass, field
+from typing import Any, Awaitable, Callable
 
 import grpc
 import torch
 
 from peer.channels import server_options, tune_allocator
+from peer.coalescer import Coalescer
 from peer.metrics import PeerMetrics
 from peer.stage_state import StageState, average_into, export_state, to_chunks
 from peer.state_transfer import receive_pushed
@@ -37,6 +39,14 @@ class RequestError(Exception):
         self.code = code
 
 
+@dataclass
+class Siblings:
+    """Micro-batches that shared one batched forward: their backwards are best run together too."""
+    members: frozenset[str]
+    arrived: set[str] = field(default_factory=set)
+    complete: asyncio.Event = field(default_factory=asyncio.Event)
+
+
 class StageServicer(swarm_pb2_grpc.StageServicer):
     def __init__(self, runtime: StageRuntime, peer_id: str, metrics: PeerMetrics | None = None):
         self.runtime = runtime
@@ -49,6 +59,22 @@ class StageServicer(swarm_pb2_grpc.StageServicer):
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="compute")
         self._reported_version = runtime.version
         self.on_state_pushed: Callable[[StageState], None] | None = None  # hook for the event log
+        batching = runtime.spec.batching
+        self._siblings: dict[str, Siblings] = {}  # micro-batch id -> its forward batch, until its backward arrives
+        self.forwards = self._coalescer("forward", self._run_forwards, batching.wait_ms)
+        self.backwards = self._coalescer("backward", lambda items: self.runtime.backward_many(items), 0.0)
+        self.forward_backwards = self._coalescer(
+            "forward_backward", lambda items: self.runtime.forward_backward_many(items), batching.wait_ms)
+
+    def _coalescer(self, method: str, run: Callable[[list], list], wait_ms: float) -> Coalescer:
+        return Coalescer(self.executor, run, max_items=self.spec.batching.max_microbatches, wait_s=wait_ms / 1000,
+                         name=method, on_batch=self.metrics.batch.labels(method).observe)
+
+    def _run_forwards(self, items: list[tuple[str, torch.Tensor]]) -> list[tuple[torch.Tensor, tuple[str, ...]]]:
+        """Compute thread: one forward for the batch; each caller learns who shared it."""
+        outputs = self.runtime.forward_many(items)
+        members = tuple(mb for mb, _ in items)
+        return [(out, members) for out in outputs]
 
     def swap_runtime(self, runtime: StageRuntime) -> None:
         """Serve another stage from now on (rebalancing); the old runtime must be drained first."""
@@ -101,11 +127,14 @@ class StageServicer(swarm_pb2_grpc.StageServicer):
     # ------------------------------------------------------------ plumbing
     async def _compute(self, method: str, fn: Callable[[], Any]) -> Any:
         """Run ``fn`` on the single compute thread, counting the queue in front of it."""
+        return await self._queued(method, lambda: asyncio.get_running_loop().run_in_executor(self.executor, fn))
+
+    async def _queued(self, method: str, start: Callable[[], Awaitable[Any]]) -> Any:
         self.queue += 1
         self.metrics.queue.set(self.queue)
         started = time.perf_counter()
         try:
-            return await asyncio.get_running_loop().run_in_executor(self.executor, fn)
+            return await start()
         finally:
             self.queue -= 1
             self.metrics.queue.set(self.queue)
@@ -146,6 +175,36 @@ class StageServicer(swarm_pb2_grpc.StageServicer):
         self.metrics.version.set(self.runtime.version)
         self.metrics.throughput.set(self.runtime.throughput())
 
+    # ------------------------------------------------------------ batching
+    def _remember_siblings(self, microbatch_id: str, members: tuple[str, ...]) -> None:
+        if len(members) < 2 or self.spec.batching.backward_wait_ms <= 0:
+            return
+        for other in members:  # one shared record per batch: the first member's caller makes it
+            if other != microbatch_id and other in self._siblings and self._siblings[other].members == frozenset(members):
+                self._siblings[microbatch_id] = self._siblings[other]
+                break
+        else:
+            self._siblings[microbatch_id] = Siblings(frozenset(members))
+        if len(self._siblings) > 4 * self.runtime.max_pending:  # backwards that never came (retried elsewhere)
+            for stale in [mb for mb in self._siblings if mb not in self.runtime.pending]:
+                del self._siblings[stale]
+
+    async def _wait_for_siblings(self, microbatch_id: str) -> None:
+        """Hold a backward briefly so the members of one forward batch share one backward pass."""
+        siblings = self._siblings.pop(microbatch_id, None)
+        if siblings is None:
+            return
+        siblings.arrived.add(microbatch_id)
+        owed = {mb for mb in siblings.members if mb in self.runtime.pending}
+        if owed <= siblings.arrived:
+            siblings.complete.set()  # the waiting siblings wake in this loop iteration and join one batch
+            return
+        try:
+            async with asyncio.timeout(self.spec.batching.backward_wait_ms / 1000):
+                await siblings.complete.wait()
+        except TimeoutError:
+            pass  # a sibling is slow or went elsewhere: ours runs without it (recomputed, still exact)
+
     # ------------------------------------------------------------ RPCs
     async def Forward(self, request: swarm_pb2.ForwardRequest, context: grpc.aio.ServicerContext) -> swarm_pb2.ForwardResponse:
         async def handle() -> swarm_pb2.ForwardResponse:
@@ -155,7 +214,10 @@ class StageServicer(swarm_pb2_grpc.StageServicer):
                 raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, "the last stage takes ForwardBackward, not Forward")
             self._count_bytes(request.input, incoming=True)
             x = self._decode_input(request.input)
-            out = await self._compute("forward", lambda: self.runtime.forward(request.microbatch_id, x))
+            mb = request.microbatch_id
+            out, members = await self._queued(
+                "forward", lambda: self.forwards.submit((mb, x), key=(tuple(x.shape[1:]), x.dtype)))
+            self._remember_siblings(mb, members)
             output = self._encode(out, request.reply_codec, self.spec.compression.activations)
             return swarm_pb2.ForwardResponse(output=output, version=self.runtime.version)
         return await self._serve("forward", context, handle)
@@ -175,7 +237,8 @@ class StageServicer(swarm_pb2_grpc.StageServicer):
                 x = self._decode_input(request.input)
                 result = await self._compute("backward", lambda: self.runtime.replay_backward(x, grad))
             else:
-                result = await self._compute("backward", lambda: self.runtime.backward(request.microbatch_id, grad))
+                await self._wait_for_siblings(request.microbatch_id)
+                result = await self._queued("backward", lambda: self.backwards.submit((request.microbatch_id, grad)))
             self._after_backward(result)
             response = swarm_pb2.BackwardResponse(version=self.runtime.version, delay=result.delay,
                                                   applied=result.applied, dropped_reason=result.dropped_reason)
@@ -194,7 +257,8 @@ class StageServicer(swarm_pb2_grpc.StageServicer):
             x = self._decode_input(request.input)
             targets = decode(request.targets, max_elements=self.spec.limits.max_tensor_elements, allowed_dtypes=("int64",),
                              expect_shape=tuple(x.shape[:2]), what="targets")
-            result = await self._compute("forward_backward", lambda: self.runtime.forward_backward(x, targets))
+            result = await self._queued(
+                "forward_backward", lambda: self.forward_backwards.submit((x, targets), key=(tuple(x.shape[1:]), x.dtype)))
             self._after_backward(result)
             response = swarm_pb2.ForwardBackwardResponse(loss=result.loss or 0.0, version=self.runtime.version,
                                                          applied=result.applied, dropped_reason=result.dropped_reason)
@@ -209,7 +273,12 @@ class StageServicer(swarm_pb2_grpc.StageServicer):
             peer_id=self.peer_id, stage=self.runtime.stage, version=self.runtime.version,
             throughput=self.runtime.throughput(), queue=self.queue, state=self.state,
             samples_processed=stats.samples, dropped_stale=stats.dropped_stale, busy_seconds=stats.busy_seconds,
+            cpu_seconds=time.process_time(), batches=sum(c.stats.batches for c in self._coalescers()),
+            batched_microbatches=sum(c.stats.items for c in self._coalescers()),
         )
+
+    def _coalescers(self) -> tuple[Coalescer, ...]:
+        return self.forwards, self.backwards, self.forward_backwards
 
     async def DownloadState(self, request: swarm_pb2.DownloadStateRequest, context: grpc.aio.ServicerContext):
         self.metrics.requests.labels("download_state").inc()
