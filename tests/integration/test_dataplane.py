@@ -24,10 +24,15 @@ class IdentityRuntime:
     def __init__(self, spec: RunSpec):
         self.spec, self.stage, self.version = spec, 1, 0
         self.is_first = self.is_last = False
-        self.stats = type("S", (), {"samples": 0, "dropped_stale": 0})()
+        self.stats = type("S", (), {"samples": 0, "dropped_stale": 0, "busy_seconds": 0.0})()
+        self.pending: dict = {}
+        self.max_pending = 256
 
     def forward(self, mb_id: str, x: torch.Tensor) -> torch.Tensor:
         return x * 2
+
+    def forward_many(self, items: list[tuple[str, torch.Tensor]]) -> list[torch.Tensor]:
+        return [self.forward(mb, x) for mb, x in items]  # the server batches calls; identity needs no concat
 
     def throughput(self) -> float:
         return 0.0
