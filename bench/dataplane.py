@@ -1,6 +1,6 @@
 """Data-plane throughput and latency: swarmpipe's stage RPC vs raw loopback TCP vs hivemind P2P RPC.
 
-    python bench/dataplane.py [--sizes-kib 64 1024 4096 16384 65536] [--seconds 1.0] [--out bench/results/dataplane.json]
+    python bench/dataplane.py [--sizes-kib 64 1024 4096 16384 65536] [--seconds 1.0] [--rounds 3] [--out ...]
 
 Every transport does the same echo: the caller sends N payload bytes, the callee sends N bytes
 back. Throughput is N / (round-trip time) (payload one way, GB/s = 1e9 B/s), so all three columns
@@ -240,15 +240,33 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--sizes-kib", type=int, nargs="+", default=[64, 1024, 4096, 16384, 65536])
     ap.add_argument("--seconds", type=float, default=1.0, help="time budget per size and transport")
+    ap.add_argument("--rounds", type=int, default=3, help="interleaved sweeps; each figure is their median")
     ap.add_argument("--no-hivemind", action="store_true")
     ap.add_argument("--out", default="bench/results/dataplane.json")
     args = ap.parse_args()
     tune_allocator()
     sizes = [k * 1024 for k in args.sizes_kib]
-    tcp = bench_tcp(sizes, args.seconds)
-    sp1 = asyncio.run(bench_swarmpipe(sizes, args.seconds, 1))
-    sp4 = asyncio.run(bench_swarmpipe(sizes, args.seconds, 4))
-    hm = {} if args.no_hivemind else asyncio.run(bench_hivemind(sizes, args.seconds))
+    # Interleaved: every round measures each size on every transport back to back, so load drift on a
+    # shared machine hits all transports alike; each figure is the median over rounds.
+    samples: dict[str, dict[int, list[dict]]] = {name: {} for name in ("tcp", "sp1", "sp4", "hm")}
+    for r in range(args.rounds):
+        for size in sizes:
+            measured = {"tcp": bench_tcp([size], args.seconds),
+                        "sp1": asyncio.run(bench_swarmpipe([size], args.seconds, 1)),
+                        "sp4": asyncio.run(bench_swarmpipe([size], args.seconds, 4))}
+            if not args.no_hivemind:
+                measured["hm"] = asyncio.run(bench_hivemind([size], args.seconds))
+            for name, result in measured.items():
+                for real, row in result.items():
+                    samples[name].setdefault(real, []).append(row)
+            print(f"  round {r + 1}/{args.rounds}, {size >> 10} KiB: " + ", ".join(
+                f"{name} {row['gbps']:.3f}" for name, result in measured.items() for row in result.values()), flush=True)
+
+    def median_row(rows: list[dict]) -> dict:
+        return sorted(rows, key=lambda row: row["gbps"])[len(rows) // 2]
+
+    tcp, sp1, sp4, hm = ({real: median_row(rows) for real, rows in samples[name].items()}
+                         for name in ("tcp", "sp1", "sp4", "hm"))
     empty = asyncio.run(bench_empty_call(args.seconds))
     rows = []
     for real in sorted(tcp):
@@ -274,7 +292,8 @@ def main() -> None:
           f"Forward of a 64-byte tensor {empty['tiny_forward_rtt_ms']:.3f} ms")
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as f:
-        json.dump(dict(rows=rows, empty_calls=empty, seconds_per_point=args.seconds), f, indent=1)
+        json.dump(dict(rows=rows, empty_calls=empty, seconds_per_point=args.seconds, rounds=args.rounds,
+                       loadavg=os.getloadavg()), f, indent=1)
     print(f"wrote {args.out}")
 
 
