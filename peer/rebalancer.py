@@ -37,8 +37,12 @@ class Rebalancer:
             try:
                 target = await self.check()
                 if target is not None:
-                    await self.move(target)
-                    self.cooldown = COOLDOWN_PERIODS
+                    # Look again after a random pause: a peer that decided at the same moment has
+                    # announced itself at the target by then, and the second look sees it (no stampede).
+                    await asyncio.sleep(self.rng.uniform(1.0, 4.0))
+                    if await self.check() == target:
+                        await self.move(target)
+                        self.cooldown = COOLDOWN_PERIODS
             except asyncio.CancelledError:
                 raise
             except Exception as e:  # a failed check or move leaves us serving where we are

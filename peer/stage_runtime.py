@@ -83,6 +83,7 @@ class StageRuntime:
         self._accumulated = 0
         self._snapshot: tuple[int, dict[str, torch.Tensor]] | None = None
         self._seconds_per_sample: float | None = None  # EMA of compute time per sample
+        self._batched_run = 0  # batched calls since the last unbatched one
 
     # ---------------------------------------------------------------- compute
     def _params_snapshot(self) -> dict[str, torch.Tensor]:
@@ -119,7 +120,7 @@ class StageRuntime:
             self._forget(next(iter(self.pending)))
             self.stats.expired += 1
         self.stats.forwards += len(items)
-        self._observe(time.perf_counter() - started, x.shape[0], weight=1 / 3)
+        self._observe(time.perf_counter() - started, x.shape[0], weight=1 / 3, microbatches=len(items))
         detached = output.detach()
         return [detached[rows[mb]] for mb in ids]
 
@@ -180,7 +181,8 @@ class StageRuntime:
             self.stats.recomputed += len(ids)
         grad_input, param_grads = self._differentiate(output, grad_output, x, group.params)
         shared = self._apply(param_grads, self.version - group.version, count=len(ids))
-        self._observe(time.perf_counter() - started, sum(r.stop - r.start for r in rows.values()), weight=2 / 3)
+        self._observe(time.perf_counter() - started, sum(r.stop - r.start for r in rows.values()), weight=2 / 3,
+                      microbatches=len(ids))
         for i, mb, _ in members:
             yield i, BackwardResult(None if grad_input is None else grad_input[rows[mb]], shared.delay, shared.applied,
                                     shared.dropped_reason)
@@ -255,7 +257,7 @@ class StageRuntime:
         for k, (r, i) in enumerate(zip(rows, good)):
             results[i] = BackwardResult(None if grad_input is None else grad_input[r], 0, shared.applied,
                                         shared.dropped_reason, loss=float(losses[k].detach()))
-        self._observe(time.perf_counter() - started, x.shape[0], weight=1.0)
+        self._observe(time.perf_counter() - started, x.shape[0], weight=1.0, microbatches=len(good))
         return results  # type: ignore[return-value]
 
     # ---------------------------------------------------------------- updates
@@ -306,10 +308,20 @@ class StageRuntime:
         self.stats.expired += len(dead)
         return len(dead)
 
-    def _observe(self, seconds: float, samples: int, weight: float) -> None:
-        """EMA of compute seconds per sample; ``weight`` is the share of a full fwd+bwd this call did."""
+    def _observe(self, seconds: float, samples: int, weight: float, microbatches: int = 1) -> None:
+        """EMA of compute seconds per sample; ``weight`` is the share of a full fwd+bwd this call did.
+
+        Unbatched calls feed the estimate; batched ones only when nothing else comes (no estimate yet, or
+        a long run of batches): a batch's cost per sample falls with its size, which grows with load, so
+        a busy stage would look faster than an idle one and rebalancing would chase the noise."""
         self.stats.busy_seconds += seconds
         self.stats.samples += samples if weight >= 2 / 3 else 0
+        if microbatches > 1 and self._seconds_per_sample is not None:
+            self._batched_run += 1
+            if self._batched_run < 20:
+                return
+        else:
+            self._batched_run = 0
         per_sample = seconds / max(1, samples) / weight
         ema = self._seconds_per_sample
         self._seconds_per_sample = per_sample if ema is None else 0.9 * ema + 0.1 * per_sample

@@ -163,3 +163,17 @@ def test_a_retried_forward_leaves_its_old_group() -> None:
     assert old.outstanding == {"b"} and rt.pending["a"] is not old
     g = torch.randn(2, rt.spec.model.seq_len, rt.spec.model.d_model)
     assert rt.backward("b", g).applied and rt.stats.recomputed == 0  # "b" was the last one owed: graph path
+
+
+def test_throughput_estimate_comes_from_unbatched_calls() -> None:
+    rt = runtime(make_spec(num_stages=4, lr=LR), 1)
+    xs = [hidden(rt.spec, k) for k in range(4)]
+    rt.forward("solo", xs[0])
+    solo = rt.throughput()
+    assert solo > 0
+    rt.forward_many([(f"b{k}", x) for k, x in enumerate(xs)])
+    assert rt.throughput() == solo  # a batch's cheaper cost per sample is not mistaken for a faster peer
+    assert rt.stats.busy_seconds > 0
+    for k in range(25):  # only batches for a long while: then they are the only evidence there is
+        rt.forward_many([(f"c{k}-{j}", x) for j, x in enumerate(xs[:2])])
+    assert rt.throughput() != solo
