@@ -49,7 +49,9 @@ class PeerDaemon:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.stop_requested.set)
         initial = self.initial_peers = resolve_initial_peers(cfg.initial_peers, cfg.swarm)
-        self.dht = await asyncio.to_thread(start_dht, initial, cfg.host, cfg.dht_port, None, cfg.announce_host or None)
+        # Start even if no initial peer answers (a restarting coordinator): wait_for_spec keeps pinging them.
+        self.dht = await asyncio.to_thread(start_dht, initial, cfg.host, cfg.dht_port, None, cfg.announce_host or None,
+                                           not cfg.run_id)
         try:
             return await self._serve()
         finally:
@@ -67,7 +69,7 @@ class PeerDaemon:
         self.events.peer_id = peer_id
         run_id = cfg.run_id or await self._pick_run()
         self.swarm = SwarmDHT(self.dht, run_id)
-        spec = await self.swarm.wait_for_spec(cfg.spec_timeout)
+        spec = await self.swarm.wait_for_spec(cfg.spec_timeout, initial_peers=self.initial_peers)
         stage = cfg.stage if cfg.stage >= 0 else choose_stage(await self.swarm.all_stages(spec.num_stages))
         if stage >= spec.num_stages:
             raise ValueError(f"--stage {stage} does not exist: run {run_id!r} has {spec.num_stages} stages")

@@ -40,7 +40,10 @@ def start_dht(
     port: int = 0,
     identity_path: str | None = None,
     announce_host: str | None = None,
+    require_bootstrap: bool = True,
 ) -> hivemind.DHT:
+    """``require_bootstrap=False``: start even when no initial peer answers (the coordinator may be
+    down); the caller keeps pinging them with :func:`reconnect_bootstrap` until one does."""
     # Every node checks signatures: a record whose subkey names an owner key can only be changed
     # by the holder of that key (hivemind's RSASignatureValidator), so no one overwrites another
     # peer's announcement.
@@ -50,7 +53,14 @@ def start_dht(
         kwargs["identity_path"] = identity_path
     if announce_host and port:  # behind NAT or in a container: the address others should dial
         kwargs["announce_maddrs"] = [f"/ip4/{announce_host}/tcp/{port}"]
-    return hivemind.DHT(initial_peers=list(initial_peers) or None, **kwargs)
+    try:
+        return hivemind.DHT(initial_peers=list(initial_peers) or None, **kwargs)
+    except Exception as e:  # p2pd and hivemind both refuse to start when no bootstrap peer answers
+        if require_bootstrap or not initial_peers:
+            raise
+        log.warning("none of the %d initial peers answered (%s); starting alone, retrying them",
+                    len(initial_peers), str(e).strip().splitlines()[-1][:160])
+        return hivemind.DHT(initial_peers=None, **kwargs)
 
 
 _VALIDATOR: RSASignatureValidator | None = None
@@ -139,13 +149,23 @@ class SwarmDHT:
         except (SpecError, TypeError, ValueError) as e:
             raise SpecError(f"the run spec published for {self.run_id!r} is unusable: {e}") from e
 
-    async def wait_for_spec(self, timeout: float = 60.0, poll: float = 1.0) -> RunSpec:
-        deadline = asyncio.get_running_loop().time() + timeout
+    async def wait_for_spec(self, timeout: float = 60.0, poll: float = 1.0,
+                            initial_peers: Sequence[str] = (), reconnect_every: float = 5.0) -> RunSpec:
+        """Poll for the spec; meanwhile ping ``initial_peers`` now and then, so a node that started
+        while its bootstrap peers were down (a restarting coordinator) joins once one is back."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        next_ping = loop.time()
         while True:
+            if initial_peers and loop.time() >= next_ping:
+                next_ping = loop.time() + reconnect_every
+                if not await reconnect_bootstrap(self.dht, initial_peers):
+                    log.warning("none of %d initial peers answers yet; retrying every %.0fs for up to %.0fs",
+                                len(initial_peers), reconnect_every, max(0.0, deadline - loop.time()))
             spec = await self.fetch_spec()
             if spec is not None:
                 return spec
-            if asyncio.get_running_loop().time() > deadline:
+            if loop.time() > deadline:
                 raise TimeoutError(f"no spec for run {self.run_id!r} in the DHT after {timeout:.0f}s; is the coordinator up?")
             await asyncio.sleep(poll)
 

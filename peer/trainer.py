@@ -77,7 +77,7 @@ class Trainer:
         for sig in (signal.SIGTERM, signal.SIGINT):
             asyncio.get_running_loop().add_signal_handler(sig, self.stop_requested.set)
         initial = self.initial_peers = resolve_initial_peers(cfg.initial_peers, cfg.swarm)
-        self.dht = await asyncio.to_thread(start_dht, initial, cfg.host, 0)
+        self.dht = await asyncio.to_thread(start_dht, initial, cfg.host, 0, None, None, not cfg.run_id)
         try:
             return await self._train()
         finally:
@@ -92,7 +92,7 @@ class Trainer:
                 raise ValueError(f"pass --run-id: the swarm lists {len(runs)} runs ({', '.join(runs) or 'none'})")
             cfg.run_id = next(iter(runs))
         swarm = SwarmDHT(self.dht, cfg.run_id)
-        spec = await swarm.wait_for_spec(cfg.spec_timeout)
+        spec = await swarm.wait_for_spec(cfg.spec_timeout, initial_peers=self.initial_peers)
         corpus = await asyncio.to_thread(load_corpus, cfg.data or None)
         sampler = BatchSampler(CorpusSplit.from_bytes(corpus).train, spec.microbatch_size, spec.model.seq_len, cfg.seed)
         router = Router(spec.num_stages)
