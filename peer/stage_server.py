@@ -25,7 +25,7 @@ from peer.metrics import PeerMetrics
 from peer.stage_state import StageState, average_into, export_state, to_chunks
 from peer.state_transfer import receive_pushed
 from peer.stage_runtime import BackwardResult, StageRuntime, UnknownMicrobatch
-from peer.streaming import METHODS as STREAM_METHODS, frame_messages, reassemble
+from peer.streaming import METHODS as STREAM_METHODS, frames, reassemble
 from peer.wire import WireError, decode, encode, is_empty
 from protos import swarm_pb2, swarm_pb2_grpc
 
@@ -328,15 +328,37 @@ class StageServicer(swarm_pb2_grpc.StageServicer):
             return
         response = await getattr(self, method)(request, context)
         chunk = min(1 << 20, (limits.max_message_mb << 20) // 2)  # a frame never nears the message cap
-        for frame in frame_messages(response, STREAM_METHODS[method][3], chunk_bytes=chunk):
+        # Serialized frames straight from the response's buffers: the raw handler sends bytes as they are.
+        for frame in frames(response, STREAM_METHODS[method][3], chunk_bytes=chunk):
             yield frame
+
+
+class _HandlerCapture:
+    """Stands in for a server to catch the generated code's method handlers."""
+
+    def add_generic_rpc_handlers(self, handlers) -> None:
+        pass
+
+    def add_registered_method_handlers(self, service: str, handlers: dict) -> None:
+        self.handlers = dict(handlers)
+
+
+def _stage_method_handlers(servicer: StageServicer) -> dict:
+    """The generated handlers, except ``Stream``: it runs without protobuf (de)serializers, so frames
+    arrive and leave as raw bytes and the payload is sliced, not copied into and out of messages."""
+    capture = _HandlerCapture()
+    swarm_pb2_grpc.add_StageServicer_to_server(servicer, capture)
+    capture.handlers["Stream"] = grpc.stream_stream_rpc_method_handler(servicer.Stream)
+    return capture.handlers
 
 
 async def start_server(servicer: StageServicer, host: str, port: int) -> tuple[grpc.aio.Server, int]:
     """Bind and start; returns the server and the real port (port 0 picks a free one)."""
     tune_allocator()
     server = grpc.aio.server(options=server_options(servicer.spec.limits.max_message_mb))
-    swarm_pb2_grpc.add_StageServicer_to_server(servicer, server)
+    handlers = _stage_method_handlers(servicer)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("swarmpipe.Stage", handlers),))
+    server.add_registered_method_handlers("swarmpipe.Stage", handlers)
     bound = server.add_insecure_port(f"{host}:{port}")
     if bound == 0:
         raise OSError(f"could not bind the stage server to {host}:{port}")

@@ -116,14 +116,49 @@ def frame_messages(msg, fields: Iterable[str], *, chunk_bytes: int = DEFAULT_CHU
 
 # ------------------------------------------------------------------ receiving
 
-async def reassemble(stream: AsyncIterator[swarm_pb2.Frame], *, max_total_bytes: int,
+def _parse_varint(buf: bytes, pos: int) -> tuple[int, int]:
+    value = shift = 0
+    while pos < len(buf) and shift < 64:
+        b = buf[pos]
+        pos += 1
+        value |= (b & 0x7F) << shift
+        if not b & 0x80:
+            return value, pos
+        shift += 7
+    raise WireError("malformed frame: bad length prefix")
+
+
+def _frame(raw) -> swarm_pb2.Frame:
+    """A first frame: parsed as a protobuf (it is small)."""
+    if isinstance(raw, swarm_pb2.Frame):
+        return raw
+    try:
+        return swarm_pb2.Frame.FromString(raw)
+    except Exception as e:  # noqa: BLE001 - protobuf raises DecodeError subclasses
+        raise WireError(f"malformed frame: {e}") from None
+
+
+def _frame_data(raw) -> memoryview | bytes:
+    """A data frame's bytes. Raw frames (no protobuf deserializer on the call) of the exact form
+    ``Frame{data}`` are sliced without a copy; anything else goes through protobuf."""
+    if isinstance(raw, swarm_pb2.Frame):
+        return raw.data
+    if raw[:1] == b"\x22":
+        length, start = _parse_varint(raw, 1)
+        if start + length == len(raw):
+            return memoryview(raw)[start:]
+    return _frame(raw).data
+
+async def reassemble(stream: AsyncIterator[swarm_pb2.Frame | bytes], *, max_total_bytes: int,
                      expect_method: str | None = None, what: str = "stream") -> tuple[str, Reassembled]:
-    """Read a whole framed message; ``expect_method`` None means it is a request (method in frame 1)."""
+    """Read a whole framed message; ``expect_method`` None means it is a request (method in frame 1).
+    Frames may be ``Frame`` messages or their raw serialized bytes (the fast path: no protobuf copies)."""
     first = None
     async for first in stream:
         break
     if first is None:
         raise WireError(f"{what}: ended before its first frame")
+    first = _frame(first)
     method = expect_method or first.method
     if method not in METHODS:
         raise WireError(f"{what}: unknown method {first.method!r}; expected one of {', '.join(METHODS)}")
@@ -146,7 +181,7 @@ async def reassemble(stream: AsyncIterator[swarm_pb2.Frame], *, max_total_bytes:
     buffers = [bytearray(s) for s in sizes]
     index, filled, received = 0, 0, 0
     async for frame in stream:
-        chunk = frame.data
+        chunk = _frame_data(frame)
         pos = 0
         while pos < len(chunk):
             while index < len(buffers) and filled == len(buffers[index]):
@@ -192,8 +227,9 @@ class StreamingCaller:
                 if p is not None:
                     getattr(request, name).data = memoryview(p).cast("B").tobytes()
             return await getattr(stub, method)(request, timeout=timeout)
-        call = channel.stream_stream("/swarmpipe.Stage/Stream", request_serializer=lambda b: b,
-                                     response_deserializer=swarm_pb2.Frame.FromString)(
+        # Raw bytes both ways: frames are built and read without protobuf copies of the payload.
+        call = channel.stream_stream("/swarmpipe.Stage/Stream", request_serializer=None,
+                                     response_deserializer=None)(
             frames(request, fields, method=method, chunk_bytes=self.chunk_bytes, payloads=payloads), timeout=timeout)
         _, response = await reassemble(call.__aiter__(), max_total_bytes=self.max_total_bytes,
                                        expect_method=method, what=f"{method} reply")

@@ -121,3 +121,34 @@ def test_size_mismatch_with_shape_caught_by_decode() -> None:
     _, got = run(reassemble(_aiter(fs), max_total_bytes=1 << 20))
     with pytest.raises(WireError, match="bytes do not match shape"):
         decode(got.input)
+
+
+@pytest.mark.parametrize("chunk", [7, 4096])
+def test_raw_frames_round_trip_without_protobuf(chunk: int) -> None:
+    """The server and client read serialized frames as raw bytes (no deserializer on the call)."""
+    x = torch.randn(3, 17, 64)
+    msg = swarm_pb2.ForwardRequest(run_id="r", stage=1, microbatch_id="m", input=encode(x, "none"))
+    raw = list(frames(msg, METHODS["Forward"][2], method="Forward", chunk_bytes=chunk))
+    method, got = run(reassemble(_aiter(raw), max_total_bytes=1 << 30))
+    assert method == "Forward" and torch.equal(decode(got.input), x)
+
+
+def test_raw_data_frame_with_other_fields_still_parses() -> None:
+    """A data frame that is not the exact fast-path shape goes through protobuf and still counts."""
+    x = torch.randn(2, 8)
+    msg = swarm_pb2.ForwardRequest(run_id="r", stage=1, microbatch_id="m", input=encode(x, "none"))
+    first, *data = list(frames(msg, METHODS["Forward"][2], method="Forward", chunk_bytes=1 << 20))
+    odd = swarm_pb2.Frame(method="x", data=swarm_pb2.Frame.FromString(data[0]).data).SerializeToString()
+    _, got = run(reassemble(_aiter([first, odd]), max_total_bytes=1 << 30))
+    assert torch.equal(decode(got.input), x)
+
+
+@pytest.mark.parametrize("garbage", [b"\x22\xff", b"\x22\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff\x01", b"\xff\xff\xff"])
+def test_malformed_raw_frames_fail_cleanly(garbage: bytes) -> None:
+    x = torch.randn(2, 8)
+    msg = swarm_pb2.ForwardRequest(run_id="r", stage=1, microbatch_id="m", input=encode(x, "none"))
+    first = next(iter(frames(msg, METHODS["Forward"][2], method="Forward")))
+    with pytest.raises(WireError):
+        run(reassemble(_aiter([first, garbage]), max_total_bytes=1 << 30))
+    with pytest.raises(WireError):
+        run(reassemble(_aiter([garbage]), max_total_bytes=1 << 30))
