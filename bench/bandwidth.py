@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import atexit
-import json
 import os
 import signal
 import subprocess
@@ -31,7 +30,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench.pipeline import LocalSwarm, summarize  # noqa: E402
+from bench.pipeline import LocalSwarm, summarize, write_results  # noqa: E402
 from peer.spec import CODECS  # noqa: E402
 from peer.wire import encoded_size  # noqa: E402
 
@@ -172,10 +171,7 @@ def main() -> None:
     out = {"rate": args.rate, "delay_each_way": link.delay, "shaping": link.shaping, "stages": args.stages, "steps": args.steps,
            "microbatch": args.microbatch, "seq_len": args.seq_len, "d_model": args.d_model, "rows": rows,
            "loadavg": os.getloadavg()}
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(out, f, indent=1)
-    print(f"\nwrote {args.out}")
+    write_results(args.out, out)
 
 
 if __name__ == "__main__":

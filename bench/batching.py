@@ -12,7 +12,6 @@ the final loss (batching takes fewer, larger optimizer steps, so the loss per sa
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import tempfile
@@ -20,7 +19,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench.pipeline import LocalSwarm, summarize  # noqa: E402
+from bench.pipeline import LocalSwarm, summarize, write_results  # noqa: E402
 
 
 def batching_table(max_batch: int) -> str:
@@ -89,10 +88,7 @@ def main() -> None:
           f"x{agg['on']['compute_s_per_mb'] / agg['off']['compute_s_per_mb']:.2f}")
     out = {"args": vars(args), "runs": rows, "aggregate": agg, "samples_ratio_on_vs_off": ratio,
            "loadavg": os.getloadavg(), "time": time.time()}
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(out, f, indent=1)
-    print(f"\nwrote {args.out}")
+    write_results(args.out, out)
 
 
 if __name__ == "__main__":

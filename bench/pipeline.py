@@ -171,6 +171,14 @@ class LocalSwarm:
         self.group.stop_all()
 
 
+def write_results(path: str, data: dict) -> None:
+    """The benchmark's JSON, next to the table it printed."""
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(data, f, indent=1)
+    print(f"\nwrote {path}")
+
+
 def cpu_seconds(pid: int) -> float:
     """User + system CPU time of one process (its threads, not its children), from /proc."""
     try:
@@ -326,10 +334,7 @@ def main() -> None:
            "busy_ratio_min_stage": min_ratio, "bar_met": ratio >= 1.5,
            "codec": {"name": "fp16", "encode_s": enc, "decode_s": dec, "tensors_per_microbatch": tensors_per_mb},
            "breakdown_ms": breakdown, "loadavg": os.getloadavg()}
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(out, f, indent=1)
-    print(f"\nwrote {args.out}")
+    write_results(args.out, out)
 
 
 if __name__ == "__main__":

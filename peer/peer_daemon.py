@@ -51,7 +51,7 @@ class PeerDaemon:
         initial = self.initial_peers = resolve_initial_peers(cfg.initial_peers, cfg.swarm)
         # Start even if no initial peer answers (a restarting coordinator): wait_for_spec keeps pinging them.
         self.dht = await asyncio.to_thread(start_dht, initial, cfg.host, cfg.dht_port, None, cfg.announce_host or None,
-                                           not cfg.run_id)
+                                           require_bootstrap=not cfg.run_id)
         try:
             return await self._serve()
         finally:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter, OrderedDict
+from itertools import accumulate
 from dataclasses import dataclass, field
 
 import torch
@@ -22,6 +23,13 @@ from torch.func import functional_call
 from peer.model import build_stage, lm_loss
 from peer.optim import build_optimizer, set_learning_rate
 from peer.spec import RunSpec
+
+
+def concat_rows(tensors: list[torch.Tensor]) -> tuple[torch.Tensor, list[slice]]:
+    """The tensors joined along the batch dimension (no copy for one), and each one's rows in the result."""
+    joined = torch.cat(tensors) if len(tensors) > 1 else tensors[0]
+    ends = list(accumulate(t.shape[0] for t in tensors))
+    return joined, [slice(end - t.shape[0], end) for t, end in zip(tensors, ends)]
 
 
 class UnknownMicrobatch(KeyError):
@@ -108,11 +116,10 @@ class StageRuntime:
         for mb in ids:
             self._forget(mb)  # a retried forward replaces the old record
         params = self._params_snapshot()
-        joined = torch.cat([x for _, x in items]) if len(items) > 1 else items[0][1]
+        joined, slices = concat_rows([x for _, x in items])
         x = joined if self.is_first else joined.detach().float().requires_grad_(True)
         output = functional_call(self.module, params, (x,))
-        bounds = torch.tensor([0] + [t.shape[0] for _, t in items]).cumsum(0).tolist()
-        rows = {mb: slice(bounds[i], bounds[i + 1]) for i, mb in enumerate(ids)}
+        rows = dict(zip(ids, slices))
         group = ForwardGroup(self.version, x, output, params, time.monotonic(), rows, set(ids))
         for mb in ids:
             self.pending[mb] = group
@@ -139,8 +146,7 @@ class StageRuntime:
         late sibling never makes the others differentiate the whole group twice.
         """
         results: list[BackwardResult | Exception | None] = [None] * len(items)
-        by_group: dict[int, list[tuple[int, str, torch.Tensor]]] = {}
-        groups: dict[int, ForwardGroup] = {}
+        by_group: dict[int, tuple[ForwardGroup, list[tuple[int, str, torch.Tensor]]]] = {}
         seen: set[str] = set()
         for i, (mb, grad) in enumerate(items):
             group = self.pending.get(mb)
@@ -152,10 +158,9 @@ class StageRuntime:
                 results[i] = ValueError(f"grad_output shape {list(grad.shape)} does not match output {list(want)}")
                 continue
             seen.add(mb)
-            by_group.setdefault(id(group), []).append((i, mb, grad))
-            groups[id(group)] = group
-        for key, members in by_group.items():
-            for i, result in self._backward_group(groups[key], members):
+            by_group.setdefault(id(group), (group, []))[1].append((i, mb, grad))
+        for group, members in by_group.values():
+            for i, result in self._backward_group(group, members):
                 results[i] = result
         return results  # type: ignore[return-value]
 
@@ -171,13 +176,11 @@ class StageRuntime:
             x, output, grad_output = group.inputs, group.output, grad_full
             rows = {mb: group.rows[mb] for mb in ids}
         else:  # siblings are still out: recompute just these rows on the stashed weights
-            sub = [group.inputs[group.rows[mb]].detach() for mb in ids]
-            joined = torch.cat(sub)
+            joined, slices = concat_rows([group.inputs[group.rows[mb]].detach() for mb in ids])
             x = joined if self.is_first else joined.requires_grad_(True)
             output = functional_call(self.module, group.params, (x,))
             grad_output = torch.cat([g.to(output.dtype) for _, _, g in members])
-            bounds = torch.tensor([0] + [t.shape[0] for t in sub]).cumsum(0).tolist()
-            rows = {mb: slice(bounds[k], bounds[k + 1]) for k, mb in enumerate(ids)}
+            rows = dict(zip(ids, slices))
             self.stats.recomputed += len(ids)
         grad_input, param_grads = self._differentiate(output, grad_output, x, group.params)
         shared = self._apply(param_grads, self.version - group.version, count=len(ids))
@@ -244,11 +247,9 @@ class StageRuntime:
         if not good:
             return results  # type: ignore[return-value]
         started = time.perf_counter()
-        joined = torch.cat([items[i][0] for i in good]) if len(good) > 1 else items[good[0]][0]
+        joined, rows = concat_rows([items[i][0] for i in good])
         x = joined if self.is_first else joined.detach().float().requires_grad_(True)
         logits = self.module(x)
-        bounds = torch.tensor([0] + [items[i][0].shape[0] for i in good]).cumsum(0).tolist()
-        rows = [slice(bounds[k], bounds[k + 1]) for k in range(len(good))]
         losses = [lm_loss(logits[r], items[i][1]) for r, i in zip(rows, good)]
         grad_input, param_grads = self._differentiate(torch.stack(losses).sum(), None, x,
                                                       dict(self.module.named_parameters()))

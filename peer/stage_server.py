@@ -70,11 +70,12 @@ class StageServicer(swarm_pb2_grpc.StageServicer):
         return Coalescer(self.executor, run, max_items=self.spec.batching.max_microbatches, wait_s=wait_ms / 1000,
                          name=method, on_batch=self.metrics.batch.labels(method).observe)
 
-    def _run_forwards(self, items: list[tuple[str, torch.Tensor]]) -> list[tuple[torch.Tensor, tuple[str, ...]]]:
-        """Compute thread: one forward for the batch; each caller learns who shared it."""
+    def _run_forwards(self, items: list[tuple[str, torch.Tensor]]) -> list[tuple[torch.Tensor, Siblings | None]]:
+        """Compute thread: one forward for the batch; each caller gets the batch's shared sibling record."""
         outputs = self.runtime.forward_many(items)
-        members = tuple(mb for mb, _ in items)
-        return [(out, members) for out in outputs]
+        shared = len(items) > 1 and self.spec.batching.backward_wait_ms > 0
+        siblings = Siblings(frozenset(mb for mb, _ in items)) if shared else None
+        return [(out, siblings) for out in outputs]
 
     def swap_runtime(self, runtime: StageRuntime) -> None:
         """Serve another stage from now on (rebalancing); the old runtime must be drained first."""
@@ -176,15 +177,10 @@ class StageServicer(swarm_pb2_grpc.StageServicer):
         self.metrics.throughput.set(self.runtime.throughput())
 
     # ------------------------------------------------------------ batching
-    def _remember_siblings(self, microbatch_id: str, members: tuple[str, ...]) -> None:
-        if len(members) < 2 or self.spec.batching.backward_wait_ms <= 0:
+    def _remember_siblings(self, microbatch_id: str, siblings: Siblings | None) -> None:
+        if siblings is None:
             return
-        for other in members:  # one shared record per batch: the first member's caller makes it
-            if other != microbatch_id and other in self._siblings and self._siblings[other].members == frozenset(members):
-                self._siblings[microbatch_id] = self._siblings[other]
-                break
-        else:
-            self._siblings[microbatch_id] = Siblings(frozenset(members))
+        self._siblings[microbatch_id] = siblings
         if len(self._siblings) > 4 * self.runtime.max_pending:  # backwards that never came (retried elsewhere)
             for stale in [mb for mb in self._siblings if mb not in self.runtime.pending]:
                 del self._siblings[stale]
@@ -215,9 +211,9 @@ class StageServicer(swarm_pb2_grpc.StageServicer):
             self._count_bytes(request.input, incoming=True)
             x = self._decode_input(request.input)
             mb = request.microbatch_id
-            out, members = await self._queued(
+            out, siblings = await self._queued(
                 "forward", lambda: self.forwards.submit((mb, x), key=(tuple(x.shape[1:]), x.dtype)))
-            self._remember_siblings(mb, members)
+            self._remember_siblings(mb, siblings)
             output = self._encode(out, request.reply_codec, self.spec.compression.activations)
             return swarm_pb2.ForwardResponse(output=output, version=self.runtime.version)
         return await self._serve("forward", context, handle)

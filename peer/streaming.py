@@ -104,16 +104,6 @@ def frames(msg, fields: Iterable[str], *, method: str = "", chunk_bytes: int = D
             yield data_frame_bytes(v[start:start + chunk_bytes])
 
 
-def frame_messages(msg, fields: Iterable[str], *, chunk_bytes: int = DEFAULT_CHUNK) -> Iterator[swarm_pb2.Frame]:
-    """Like :func:`frames` but as ``Frame`` messages (for the server's generated serializer)."""
-    fields = tuple(fields)
-    header, views = _split_payloads(msg, fields, None)
-    yield swarm_pb2.Frame(header=header.SerializeToString(), data_bytes=[len(v) for v in views])
-    for v in views:
-        for start in range(0, len(v), chunk_bytes):
-            yield swarm_pb2.Frame(data=bytes(v[start:start + chunk_bytes]))
-
-
 # ------------------------------------------------------------------ receiving
 
 def _parse_varint(buf: bytes, pos: int) -> tuple[int, int]:

@@ -77,7 +77,7 @@ class Trainer:
         for sig in (signal.SIGTERM, signal.SIGINT):
             asyncio.get_running_loop().add_signal_handler(sig, self.stop_requested.set)
         initial = self.initial_peers = resolve_initial_peers(cfg.initial_peers, cfg.swarm)
-        self.dht = await asyncio.to_thread(start_dht, initial, cfg.host, 0, None, None, not cfg.run_id)
+        self.dht = await asyncio.to_thread(start_dht, initial, cfg.host, 0, require_bootstrap=not cfg.run_id)
         try:
             return await self._train()
         finally:

@@ -6,7 +6,7 @@ import asyncio
 import pytest
 import torch
 
-from peer.streaming import METHODS, data_frame_bytes, frame_messages, frames, reassemble
+from peer.streaming import METHODS, data_frame_bytes, frames, reassemble
 from peer.wire import WireError, decode, encode, raw_view
 from protos import swarm_pb2
 
@@ -68,7 +68,7 @@ def test_backward_with_two_tensors_and_an_empty_one() -> None:
 def test_response_frames_round_trip() -> None:
     y = torch.randn(4, 4, 4)
     resp = swarm_pb2.ForwardResponse(output=encode(y, "uint8"), version=7)
-    msgs = list(frame_messages(resp, ("output",), chunk_bytes=50))
+    msgs = _parse(list(frames(resp, ("output",), chunk_bytes=50)))  # what the server's Stream sends
     _, got = run(reassemble(_aiter(msgs), max_total_bytes=1 << 20, expect_method="Forward"))
     assert got.version == 7 and torch.equal(decode(got.output), decode(resp.output))
 
