@@ -7,7 +7,8 @@ backward, so any step can be redone on another replica:
     live replica from the kept input and output gradient (``replay=True``).
 A micro-batch ends ``completed`` (stage 0 acknowledged its backward),
 ``dropped_stale`` (a stage refused the gradient as too old), or ``failed``
-(a stage had no live replica for ``wait_timeout``).
+(a stage had no live replica for ``wait_timeout``, or every replica rejected it
+as invalid). A replica that moved to another stage is dropped from the view.
 """
 from __future__ import annotations
 
@@ -32,11 +33,17 @@ log = logging.getLogger("swarmpipe.trainer")
 
 # Errors that say "this request is wrong", not "this peer is unwell": do not ban for them.
 CALLER_ERRORS = (grpc.StatusCode.INVALID_ARGUMENT,)
+# "I serve another stage now": the peer rebalanced since our last DHT refresh. Not its fault, not ours.
+MOVED = grpc.StatusCode.FAILED_PRECONDITION
 WAIT_LOG_PERIOD_S = 10.0
 
 
 class NoReplica(RuntimeError):
     pass
+
+
+class Rejected(RuntimeError):
+    """Every live replica of a stage called the request invalid: this micro-batch cannot go on."""
 
 
 class MicrobatchRunner:
@@ -79,7 +86,7 @@ class MicrobatchRunner:
             for stage in range(P - 2, -1, -1):
                 grad, dropped = await self._backward(stage, mb_id, peers[stage], inputs[stage], grad)
                 stale = stale or dropped
-        except NoReplica as e:
+        except (NoReplica, Rejected) as e:
             self.progress.failed += 1
             self.events.emit("microbatch_failed", level=logging.ERROR, microbatch=mb_id, reason=str(e))
             return
@@ -97,7 +104,7 @@ class MicrobatchRunner:
             return result
         except (grpc.aio.AioRpcError, asyncio.TimeoutError, WireError) as e:
             reason = _reason(e)
-            self.router.failed(view, ban=_should_ban(e))
+            self._failed(view, e)
             self.progress.retried += 1
             self.events.emit("replay", level=logging.WARNING, stage=stage, microbatch=mb_id,
                              peer=short_id(view.peer_id), reason=reason)
@@ -108,9 +115,10 @@ class MicrobatchRunner:
     async def _with_retries(self, stage: int, call):
         """Run ``call(view)`` on the best replica; on failure, ban and try another; wait when none is alive."""
         tried: set[str] = set()
+        rejected: set[str] = set()  # replicas that called the request invalid
         first_attempt = True
         while True:
-            view = self.router.choose(stage, exclude=tried) or self.router.choose(stage)
+            view = self.router.choose(stage, exclude=tried) or self.router.choose(stage, exclude=rejected)
             if view is None:
                 await self._wait_for_replica(stage)
                 tried.clear()
@@ -123,12 +131,23 @@ class MicrobatchRunner:
             try:
                 return await self._timed(view, call(view)), view
             except (grpc.aio.AioRpcError, asyncio.TimeoutError, WireError) as e:
-                ban = self.router.failed(view, ban=_should_ban(e))
+                ban = self._failed(view, e)
                 tried.add(view.peer_id)
                 self.events.emit("call_failed", level=logging.WARNING, stage=stage, peer=short_id(view.peer_id),
                                  reason=_reason(e), banned_s=round(ban, 1))
                 if isinstance(e, grpc.aio.AioRpcError) and e.code() in CALLER_ERRORS:
-                    raise  # our own request is malformed: retrying elsewhere cannot help
+                    # Usually our request is bad and nobody will take it; but one faulty peer must not be
+                    # able to fail micro-batches that its sibling replicas would serve.
+                    rejected.add(view.peer_id)
+                    if not self.router.available(stage, exclude=rejected):
+                        raise Rejected(f"stage {stage}: every replica rejected the request ({_reason(e)})") from e
+
+    def _failed(self, view: PeerView, e: Exception) -> float:
+        """Tell the router; returns the ban length (0 when the peer is not to blame)."""
+        if isinstance(e, grpc.aio.AioRpcError) and e.code() == MOVED:
+            self.router.moved(view)
+            return 0.0
+        return self.router.failed(view, ban=_should_ban(e))
 
     async def _timed(self, view: PeerView, awaitable):
         started = time.monotonic()

@@ -134,6 +134,13 @@ class Router:
         view.latency_ema = seconds if stale else EMA_DECAY * view.latency_ema + (1 - EMA_DECAY) * seconds
         view.measured_at = self.clock()
 
+    def moved(self, view: PeerView) -> None:
+        """The peer answered that it no longer serves this stage (it rebalanced): drop the view now;
+        the next DHT refresh files it under the stage it announces."""
+        view.in_flight = max(0, view.in_flight - 1)
+        if self.peers.get(view.peer_id) is view:
+            del self.peers[view.peer_id]
+
     def failed(self, view: PeerView, ban: bool = True) -> float:
         """Record a failure; returns the ban length (0 if not banned)."""
         view.in_flight = max(0, view.in_flight - 1)

@@ -40,6 +40,7 @@ class UnknownMicrobatch(KeyError):
 class ForwardGroup:
     """One forward call over one or more micro-batches (batched on the server), on one weight snapshot."""
     version: int
+    step: int  # this runtime's local optimizer steps at the forward: the delay clock (versions jump on averaging)
     inputs: torch.Tensor  # the micro-batches' inputs, concatenated along the batch dimension
     output: torch.Tensor  # carries the autograd graph to the snapshot
     params: dict[str, torch.Tensor]
@@ -120,7 +121,7 @@ class StageRuntime:
         x = joined if self.is_first else joined.detach().float().requires_grad_(True)
         output = functional_call(self.module, params, (x,))
         rows = dict(zip(ids, slices))
-        group = ForwardGroup(self.version, x, output, params, time.monotonic(), rows, set(ids))
+        group = ForwardGroup(self.version, self.stats.steps, x, output, params, time.monotonic(), rows, set(ids))
         for mb in ids:
             self.pending[mb] = group
         while len(self.pending) > self.max_pending:
@@ -183,7 +184,7 @@ class StageRuntime:
             rows = dict(zip(ids, slices))
             self.stats.recomputed += len(ids)
         grad_input, param_grads = self._differentiate(output, grad_output, x, group.params)
-        shared = self._apply(param_grads, self.version - group.version, count=len(ids))
+        shared = self._apply(param_grads, self.stats.steps - group.step, count=len(ids))
         self._observe(time.perf_counter() - started, sum(r.stop - r.start for r in rows.values()), weight=2 / 3,
                       microbatches=len(ids))
         for i, mb, _ in members:
@@ -303,7 +304,7 @@ class StageRuntime:
         now = time.monotonic() if now is None else now
         ttl = self.spec.update.pending_ttl_s
         bound = self.spec.update.max_staleness
-        dead = [k for k, r in self.pending.items() if now - r.created_at > ttl or self.version - r.version > bound]
+        dead = [k for k, r in self.pending.items() if now - r.created_at > ttl or self.stats.steps - r.step > bound]
         for key in dead:
             self._forget(key)
         self.stats.expired += len(dead)

@@ -1,7 +1,8 @@
 """gRPC service ``Stage``: validates every request, then runs it on the compute thread.
 
 Error contract (status code: when):
-  INVALID_ARGUMENT   wrong run id or stage, bad tensor (dtype, shape, bytes, NaN/Inf)
+  FAILED_PRECONDITION this peer serves another run or stage (it moved): the caller's view is stale
+  INVALID_ARGUMENT   bad micro-batch id, bad tensor (dtype, shape, bytes, NaN/Inf)
   NOT_FOUND          backward for a micro-batch this peer holds no forward for
   UNAVAILABLE        the peer is draining or not ready: retry on another replica
   RESOURCE_EXHAUSTED message over the size cap (enforced by grpc itself)
@@ -57,7 +58,7 @@ class StageServicer(swarm_pb2_grpc.StageServicer):
         self.queue = 0
         self.in_flight = 0
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="compute")
-        self._reported_version = runtime.version
+        self._reported_steps = runtime.stats.steps
         self.on_state_pushed: Callable[[StageState], None] | None = None  # hook for the event log
         batching = runtime.spec.batching
         self._siblings: dict[str, Siblings] = {}  # micro-batch id -> its forward batch, until its backward arrives
@@ -81,15 +82,15 @@ class StageServicer(swarm_pb2_grpc.StageServicer):
         """Serve another stage from now on (rebalancing); the old runtime must be drained first."""
         self.runtime = runtime
         self.spec = runtime.spec
-        self._reported_version = runtime.version
+        self._reported_steps = runtime.stats.steps
         self.metrics.version.set(runtime.version)
 
     # ------------------------------------------------------------ validation
     def _check_header(self, run_id: str, stage: int, microbatch_id: str | None = None) -> None:
         if run_id != self.spec.run_id:
-            raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, f"wrong run id {run_id!r}: this peer serves run {self.spec.run_id!r}")
+            raise RequestError(grpc.StatusCode.FAILED_PRECONDITION, f"wrong run id {run_id!r}: this peer serves run {self.spec.run_id!r}")
         if stage != self.runtime.stage:
-            raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, f"wrong stage {stage}: this peer serves stage {self.runtime.stage}")
+            raise RequestError(grpc.StatusCode.FAILED_PRECONDITION, f"wrong stage {stage}: this peer serves stage {self.runtime.stage}")
         if microbatch_id is not None and not 0 < len(microbatch_id) <= MAX_MICROBATCH_ID:
             raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, f"microbatch_id must be 1..{MAX_MICROBATCH_ID} characters")
 
@@ -171,8 +172,9 @@ class StageServicer(swarm_pb2_grpc.StageServicer):
         self.metrics.delay.observe(result.delay)
         if not result.applied:
             self.metrics.dropped.labels(result.dropped_reason.split(":")[0]).inc()
-        self.metrics.optimizer_steps.inc(self.runtime.version - self._reported_version)
-        self._reported_version = self.runtime.version
+        # Local steps, not versions: a version jumps when another replica's weights are averaged in.
+        self.metrics.optimizer_steps.inc(self.runtime.stats.steps - self._reported_steps)
+        self._reported_steps = self.runtime.stats.steps
         self.metrics.version.set(self.runtime.version)
         self.metrics.throughput.set(self.runtime.throughput())
 

@@ -45,8 +45,9 @@ def test_bad_requests_get_clear_errors_and_peer_keeps_serving(two_peers):
     good_forward = swarm_pb2.ForwardRequest(run_id="test", stage=0, microbatch_id="ok-1", input=encode(tokens))
     with grpc.insecure_channel(first_addr, options=options) as first, grpc.insecure_channel(last_addr, options=options) as last:
         inv = grpc.StatusCode.INVALID_ARGUMENT
-        _expect(first, "Forward", swarm_pb2.ForwardRequest(run_id="other", stage=0, microbatch_id="a", input=encode(tokens)), inv, "wrong run id")
-        _expect(first, "Forward", swarm_pb2.ForwardRequest(run_id="test", stage=1, microbatch_id="a", input=encode(tokens)), inv, "wrong stage")
+        moved = grpc.StatusCode.FAILED_PRECONDITION  # the caller's view of this peer is stale
+        _expect(first, "Forward", swarm_pb2.ForwardRequest(run_id="other", stage=0, microbatch_id="a", input=encode(tokens)), moved, "wrong run id")
+        _expect(first, "Forward", swarm_pb2.ForwardRequest(run_id="test", stage=1, microbatch_id="a", input=encode(tokens)), moved, "wrong stage")
         _expect(first, "Forward", swarm_pb2.ForwardRequest(run_id="test", stage=0, microbatch_id="", input=encode(tokens)), inv, "microbatch_id")
         # Shape that does not match the bytes.
         bad = encode(tokens)

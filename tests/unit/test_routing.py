@@ -339,3 +339,15 @@ def test_latency_ms_per_stage_for_the_event_log() -> None:
     measure(r, "peer-aaaaaa", 0.0123)
     measure(r, "peer-cccccc", 0.5)
     assert r.latency_ms() == {0: {"aaaaaa": 12.3}, 1: {"cccccc": 500.0}}
+
+
+def test_a_peer_that_moved_is_dropped_until_the_dht_files_it_elsewhere() -> None:
+    r = make_router()
+    r.update_stage(0, {"mover": rec(1), "stayer": rec(2)})
+    mover = r.peers["mover"]
+    r.started(mover)
+    r.moved(mover)
+    assert [v.peer_id for v in r.replicas(0)] == ["stayer"]
+    assert mover.in_flight == 0 and mover.banned_until == 0.0  # not its fault: no ban
+    r.update_stage(1, {"mover": rec(1)})  # the next refresh sees its new announcement
+    assert r.choose(1).peer_id == "mover" and r.peers["mover"].stage == 1

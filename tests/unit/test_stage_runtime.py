@@ -278,6 +278,21 @@ def test_expire_by_version() -> None:
     assert rt.expire() == 1 and "old" not in rt.pending
 
 
+def test_averaging_in_a_newer_replica_does_not_make_held_forwards_stale() -> None:
+    """A version jump from averaging is not local updates: the delay clock is this runtime's own steps."""
+    from peer.stage_state import average_into, export_state
+
+    spec = make_spec(2, lr=1e-3, max_staleness=2)
+    rt, ahead = runtime(spec, 1), runtime(spec, 1)
+    ahead.version = 500  # a replica that has been training much longer
+    out = rt.forward("held", hidden(spec))
+    average_into(rt, export_state(ahead))
+    assert rt.version == 500
+    assert rt.expire() == 0 and "held" in rt.pending
+    result = rt.backward("held", torch.randn_like(out))
+    assert result.applied and result.delay == 0
+
+
 def test_forward_expires_old_records() -> None:
     spec = make_spec(2, ttl=0.0)
     rt = runtime(spec, 1)
