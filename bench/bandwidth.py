@@ -26,7 +26,6 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -161,7 +160,7 @@ def main() -> None:
 
     base = next((r for r in rows if r["codec"] == "none"), rows[0])
     print(f"\nlink: {link.shaping}")
-    print(f"| codec | bytes per activation | samples/s (report) | samples/s (window) | vs none | last stage busy |")
+    print("| codec | bytes per activation | samples/s (report) | samples/s (window) | vs none | last stage busy |")
     print("|---|---|---|---|---|---|")
     for r in rows:
         r["vs_none"] = r["window_samples_per_s"] / base["window_samples_per_s"]

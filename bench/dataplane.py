@@ -4,56 +4,55 @@
 
 Every transport does the same echo: the caller sends N payload bytes, the callee sends N bytes
 back. Throughput is N / (round-trip time) (payload one way, GB/s = 1e9 B/s), so all three columns
-compare like with like. All baselines run in this process, in the same run, on 127.0.0.1:
+compare like with like. The callees run in their own processes (``bench/echo_servers.py``), as a
+stage peer does in a swarm; the caller is this process; everything on 127.0.0.1, in the same run:
   * swarmpipe: ``Forward`` of an identity stage (codec none) through the real StageServicer:
     validation, finite check, encode/decode, unary below the streaming threshold, chunked
     ``Stream`` above it; with 1 and with 4 calls in flight on one pooled channel;
-  * tcp: a blocking socket pair over loopback, echo server in a thread (recv_into / sendall);
+  * tcp: a socket over loopback, echo into one reused buffer (recv_into / sendall): the limit;
   * hivemind: ``P2P.call_protobuf_handler`` between two hivemind P2P daemons (the RPC Petals uses).
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
-import json
+import contextlib
 import os
 import socket
+import subprocess
 import sys
-import threading
 import time
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench.echo_servers import WIDTH, recv_exact  # noqa: E402
+from bench.pipeline import write_results  # noqa: E402
 from peer.channels import ChannelPool, tune_allocator  # noqa: E402
-from peer.metrics import PeerMetrics  # noqa: E402
-from peer.spec import LimitsSpec, ModelSpec, RunSpec  # noqa: E402
-from peer.stage_server import StageServicer, start_server  # noqa: E402
 from peer.streaming import StreamingCaller  # noqa: E402
 from peer.wire import decode, encode, raw_view  # noqa: E402
 from protos import swarm_pb2  # noqa: E402
 
-WIDTH = 1024
+HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-class IdentityRuntime:
-    """Just enough of StageRuntime for the servicer: a middle stage whose forward is the identity."""
-
-    def __init__(self, spec: RunSpec):
-        self.spec, self.stage, self.version = spec, 1, 0
-        self.is_first = self.is_last = False
-        self.stats = type("S", (), {"samples": 0, "dropped_stale": 0, "busy_seconds": 0.0})()
-        self.pending: dict = {}
-        self.max_pending = 256
-
-    def forward(self, mb_id: str, x: torch.Tensor) -> torch.Tensor:
-        return x
-
-    def forward_many(self, items: list[tuple[str, torch.Tensor]]) -> list[torch.Tensor]:
-        return [self.forward(mb, x) for mb, x in items]  # the server batches calls; identity needs no concat
-
-    def throughput(self) -> float:
-        return 0.0
+@contextlib.contextmanager
+def callee(kind: str):
+    """Start ``echo_servers.py kind`` in its own process; yields its address; stops it on exit."""
+    proc = subprocess.Popen([sys.executable, os.path.join(HERE, "echo_servers.py"), kind],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        line = proc.stdout.readline()
+        if not line.startswith("READY "):
+            raise RuntimeError(f"{kind} echo server did not start (exit {proc.poll()})")
+        yield line.split()[1]
+    finally:
+        proc.stdin.close()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 def tensor_for(nbytes: int) -> torch.Tensor:
@@ -79,14 +78,8 @@ def median(xs: list[float]) -> float:
 
 
 # ------------------------------------------------------------------ swarmpipe
-async def bench_swarmpipe(sizes: list[int], seconds: float, inflight: int) -> dict[int, dict]:
-    spec = RunSpec(run_id="bench", num_stages=3, model=ModelSpec(d_model=WIDTH, seq_len=1024),
-                   limits=LimitsSpec(max_message_mb=64, max_tensor_elements=1 << 25))
-    servicer = StageServicer(IdentityRuntime(spec), "bench-peer", PeerMetrics())
-    servicer.state = "online"
-    server, port = await start_server(servicer, "127.0.0.1", 0)
-    address = f"127.0.0.1:{port}"
-    pool = ChannelPool(spec.limits.max_message_mb)
+async def bench_swarmpipe(address: str, sizes: list[int], seconds: float, inflight: int) -> dict[int, dict]:
+    pool = ChannelPool(64)
     caller = StreamingCaller()
     stub, channel = pool.stub(address), pool.channel(address)
     results = {}
@@ -110,24 +103,18 @@ async def bench_swarmpipe(sizes: list[int], seconds: float, inflight: int) -> di
 
             times = await timed(many if inflight > 1 else one, seconds)
             t = median(times)
-            results[real] = dict(gbps=real * inflight / t / 1e9, latency_ms=t * 1e3,
-                                 reps=len(times))
+            results[real] = dict(gbps=real * inflight / t / 1e9, latency_ms=t * 1e3, reps=len(times))
     finally:
         await pool.close()
-        await server.stop(None)
     return results
 
 
-async def bench_empty_call(seconds: float) -> dict:
-    spec = RunSpec(run_id="bench", num_stages=3, model=ModelSpec(d_model=16, seq_len=1024))
-    servicer = StageServicer(IdentityRuntime(spec), "bench-peer", PeerMetrics())
-    servicer.state = "online"
-    server, port = await start_server(servicer, "127.0.0.1", 0)
+async def bench_empty_call(address: str, seconds: float) -> dict:
     pool = ChannelPool(64)
-    stub = pool.stub(f"127.0.0.1:{port}")
+    stub = pool.stub(address)
     try:
         info = await timed(lambda: stub.Info(swarm_pb2.InfoRequest(run_id="bench"), timeout=10), seconds)
-        x = torch.randn(1, 1, 16)
+        x = torch.randn(1, 1, WIDTH)  # one token's activation: the smallest Forward the stage takes
 
         async def tiny() -> None:
             r = await stub.Forward(swarm_pb2.ForwardRequest(run_id="bench", stage=1, microbatch_id="m",
@@ -136,86 +123,48 @@ async def bench_empty_call(seconds: float) -> dict:
         fwd = await timed(tiny, seconds)
     finally:
         await pool.close()
-        await server.stop(None)
-    return dict(info_rtt_ms=median(info) * 1e3, tiny_forward_rtt_ms=median(fwd) * 1e3)
+    return dict(info_rtt_ms=median(info) * 1e3, small_forward_rtt_ms=median(fwd) * 1e3,
+                small_forward_bytes=WIDTH * 4)
 
 
 # ------------------------------------------------------------------ raw TCP
-def bench_tcp(sizes: list[int], seconds: float) -> dict[int, dict]:
-    listener = socket.socket()
-    listener.bind(("127.0.0.1", 0))
-    listener.listen(1)
-    client = socket.create_connection(listener.getsockname())
-    conn, _ = listener.accept()
-    for s in (client, conn):
-        s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    size_box: list[int] = [0]
-
-    def recv_exact(sock: socket.socket, view: memoryview) -> None:
-        got = 0
-        while got < len(view):
-            n = sock.recv_into(view[got:])
-            if not n:
-                raise ConnectionError("closed")
-            got += n
-
-    def echo() -> None:
-        buf = bytearray(max(sizes) + WIDTH * 4)
-        try:
-            while True:
-                header = bytearray(8)
-                recv_exact(conn, memoryview(header))
-                n = int.from_bytes(header, "little")
-                if n == 0:
-                    return
-                view = memoryview(buf)[:n]
-                recv_exact(conn, view)
-                conn.sendall(view)
-        except ConnectionError:
-            return
-
-    thread = threading.Thread(target=echo, daemon=True)
-    thread.start()
+def bench_tcp(address: str, sizes: list[int], seconds: float) -> dict[int, dict]:
+    host, port = address.rsplit(":", 1)
+    client = socket.create_connection((host, int(port)))
+    client.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     results = {}
-    for nbytes in sizes:
-        real = tensor_for(nbytes).numel() * 4
-        out = bytearray(real)
-        back = bytearray(real)
-        size_box[0] = real
+    try:
+        for nbytes in sizes:
+            real = tensor_for(nbytes).numel() * 4
+            out, back = bytearray(real), bytearray(real)
 
-        def one() -> float:
-            t = time.perf_counter()
-            client.sendall(real.to_bytes(8, "little"))
-            client.sendall(out)
-            recv_exact(client, memoryview(back))
-            return time.perf_counter() - t
+            def one() -> float:
+                t = time.perf_counter()
+                client.sendall(real.to_bytes(8, "little"))
+                client.sendall(out)
+                if not recv_exact(client, memoryview(back)):
+                    raise ConnectionError("tcp echo server closed the connection")
+                return time.perf_counter() - t
 
-        one()
-        times, start = [], time.perf_counter()
-        while len(times) < 3 or (time.perf_counter() - start < seconds and len(times) < 500):
-            times.append(one())
-        t = median(times)
-        results[real] = dict(gbps=real / t / 1e9, latency_ms=t * 1e3, reps=len(times))
-    client.sendall((0).to_bytes(8, "little"))
-    thread.join(5)
-    for s in (client, conn, listener):
-        s.close()
+            one()
+            times, start = [], time.perf_counter()
+            while len(times) < 3 or (time.perf_counter() - start < seconds and len(times) < 500):
+                times.append(one())
+            t = median(times)
+            results[real] = dict(gbps=real / t / 1e9, latency_ms=t * 1e3, reps=len(times))
+    finally:
+        client.close()
     return results
 
 
 # ------------------------------------------------------------------ hivemind
-async def bench_hivemind(sizes: list[int], seconds: float) -> dict[int, dict]:
-    from hivemind.p2p import P2P
+async def bench_hivemind(maddr: str, sizes: list[int], seconds: float) -> dict[int, dict]:
+    from hivemind.p2p import P2P, PeerID
 
     cap = max(sizes) + (16 << 20)
-    server = await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"], persistent_conn_max_msg_size=cap)
     client = await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"], persistent_conn_max_msg_size=cap,
-                              initial_peers=[str(a) for a in await server.get_visible_maddrs()])
-
-    async def handler(request: swarm_pb2.Tensor, _context) -> swarm_pb2.Tensor:
-        return request
-
-    await server.add_protobuf_handler("echo", handler, swarm_pb2.Tensor)
+                              initial_peers=[maddr])
+    server_id = PeerID.from_base58(maddr.rsplit("/p2p/", 1)[1])
     results = {}
     try:
         for nbytes in sizes:
@@ -223,7 +172,7 @@ async def bench_hivemind(sizes: list[int], seconds: float) -> dict[int, dict]:
             real = x.numel() * 4
 
             async def one(x=x) -> None:
-                r = await client.call_protobuf_handler(server.peer_id, "echo", encode(x), swarm_pb2.Tensor)
+                r = await client.call_protobuf_handler(server_id, "echo", encode(x), swarm_pb2.Tensor)
                 decode(r)
 
             times = await timed(one, seconds, min_reps=2)
@@ -231,7 +180,6 @@ async def bench_hivemind(sizes: list[int], seconds: float) -> dict[int, dict]:
             results[real] = dict(gbps=real / t / 1e9, latency_ms=t * 1e3, reps=len(times))
     finally:
         await client.shutdown()
-        await server.shutdown()
     return results
 
 
@@ -249,25 +197,30 @@ def main() -> None:
     # Interleaved: every round measures each size on every transport back to back, so load drift on a
     # shared machine hits all transports alike; each figure is the median over rounds.
     samples: dict[str, dict[int, list[dict]]] = {name: {} for name in ("tcp", "sp1", "sp4", "hm")}
-    for r in range(args.rounds):
-        for size in sizes:
-            measured = {"tcp": bench_tcp([size], args.seconds),
-                        "sp1": asyncio.run(bench_swarmpipe([size], args.seconds, 1)),
-                        "sp4": asyncio.run(bench_swarmpipe([size], args.seconds, 4))}
-            if not args.no_hivemind:
-                measured["hm"] = asyncio.run(bench_hivemind([size], args.seconds))
-            for name, result in measured.items():
-                for real, row in result.items():
-                    samples[name].setdefault(real, []).append(row)
-            print(f"  round {r + 1}/{args.rounds}, {size >> 10} KiB: " + ", ".join(
-                f"{name} {row['gbps']:.3f}" for name, result in measured.items() for row in result.values()), flush=True)
+    with contextlib.ExitStack() as stack:
+        tcp_at = stack.enter_context(callee("tcp"))
+        stage_at = stack.enter_context(callee("stage"))
+        hm_at = None if args.no_hivemind else stack.enter_context(callee("hivemind"))
+        for r in range(args.rounds):
+            for size in sizes:
+                measured = {"tcp": bench_tcp(tcp_at, [size], args.seconds),
+                            "sp1": asyncio.run(bench_swarmpipe(stage_at, [size], args.seconds, 1)),
+                            "sp4": asyncio.run(bench_swarmpipe(stage_at, [size], args.seconds, 4))}
+                if hm_at is not None:
+                    measured["hm"] = asyncio.run(bench_hivemind(hm_at, [size], args.seconds))
+                for name, result in measured.items():
+                    for real, row in result.items():
+                        samples[name].setdefault(real, []).append(row)
+                print(f"  round {r + 1}/{args.rounds}, {size >> 10} KiB: " + ", ".join(
+                    f"{name} {row['gbps']:.3f}" for name, result in measured.items() for row in result.values()),
+                    flush=True)
+        empty = asyncio.run(bench_empty_call(stage_at, args.seconds))
 
     def median_row(rows: list[dict]) -> dict:
         return sorted(rows, key=lambda row: row["gbps"])[len(rows) // 2]
 
     tcp, sp1, sp4, hm = ({real: median_row(rows) for real, rows in samples[name].items()}
                          for name in ("tcp", "sp1", "sp4", "hm"))
-    empty = asyncio.run(bench_empty_call(args.seconds))
     rows = []
     for real in sorted(tcp):
         r = dict(bytes=real, tcp_gbps=tcp[real]["gbps"], swarmpipe_gbps=sp1[real]["gbps"],
@@ -289,13 +242,9 @@ def main() -> None:
               f"{r.get('vs_hivemind', float('nan')):>7.1f} {r['swarmpipe_latency_ms']:>8.2f} "
               f"{r['tcp_latency_ms']:>8.2f} {r.get('hivemind_latency_ms', float('nan')):>8.2f}")
     print(f"empty-ish calls: Info round trip {empty['info_rtt_ms']:.3f} ms, "
-          f"Forward of a 64-byte tensor {empty['tiny_forward_rtt_ms']:.3f} ms")
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(dict(rows=rows, empty_calls=empty, seconds_per_point=args.seconds, rounds=args.rounds,
-                       loadavg=os.getloadavg()), f, indent=1)
-    print(f"wrote {args.out}")
-
+          f"Forward of a {empty['small_forward_bytes']}-byte tensor {empty['small_forward_rtt_ms']:.3f} ms")
+    write_results(args.out, dict(rows=rows, empty_calls=empty, seconds_per_point=args.seconds, rounds=args.rounds,
+                                 callee="own process", loadavg=os.getloadavg()))
 
 if __name__ == "__main__":
     main()

@@ -307,8 +307,8 @@ def main() -> None:
     ratio = agg["async"]["mean_busy_fraction"] / agg["flush"]["mean_busy_fraction"]
     min_ratio = min(a / f for a, f in zip(agg["async"]["busy_fraction"], agg["flush"]["busy_fraction"]))
 
-    print(f"\n| schedule | samples/s (report) | samples/s (window) | busy fraction per stage | mean busy | "
-          f"CPU fraction per stage | mean queue per stage |")
+    print("\n| schedule | samples/s (report) | samples/s (window) | busy fraction per stage | mean busy | "
+          "CPU fraction per stage | mean queue per stage |")
     print("|---|---|---|---|---|---|---|")
     for name in ("serial", "flush", "async"):
         a = agg[name]
