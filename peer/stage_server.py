@@ -26,8 +26,8 @@ from peer.metrics import PeerMetrics
 from peer.stage_state import StageState, average_into, export_state, to_chunks
 from peer.state_transfer import receive_pushed
 from peer.stage_runtime import BackwardResult, StageRuntime, UnknownMicrobatch
-from peer.streaming import METHODS as STREAM_METHODS, frames, reassemble
-from peer.wire import WireError, decode, encode, is_empty
+from peer.streaming import METHODS as STREAM_METHODS, TensorView, frames, reassemble
+from peer.wire import WireError, decode, encode, encode_parts, is_empty
 from protos import swarm_pb2, swarm_pb2_grpc
 
 log = logging.getLogger("swarmpipe.server")
@@ -115,15 +115,25 @@ class StageServicer(swarm_pb2_grpc.StageServicer):
         return decode(msg, max_elements=self.spec.limits.max_tensor_elements, allowed_dtypes=("float32", "float16", "bfloat16"),
                       expect_shape=(None, None, width), what="grad_output").float()
 
-    def _count_bytes(self, msg: swarm_pb2.Tensor, incoming: bool) -> None:
-        (self.metrics.bytes_in if incoming else self.metrics.bytes_out).labels(msg.codec or "none").inc(len(msg.data))
+    def _count_bytes(self, msg: swarm_pb2.Tensor | TensorView, incoming: bool, nbytes: int | None = None) -> None:
+        if nbytes is None:  # ByteSize, not len(msg.data): reading a protobuf bytes field copies it
+            nbytes = len(msg.data) if isinstance(msg, TensorView) else msg.ByteSize()
+        (self.metrics.bytes_in if incoming else self.metrics.bytes_out).labels(msg.codec or "none").inc(nbytes)
 
-    def _encode(self, t: torch.Tensor, codec: str, default: str) -> swarm_pb2.Tensor:
+    def _encode(self, t: torch.Tensor, codec: str, default: str, sink: dict | None = None,
+                field: str = "") -> swarm_pb2.Tensor:
+        """The reply tensor. With a ``sink`` (a streamed reply) its bytes go there as a buffer and the
+        message carries only shape, dtype and codec: the frames are cut from the buffer directly."""
         codec = codec or default
         if codec == "auto":  # "auto" is chosen by the caller per hop; a caller that did not choose gets fp16
             codec = "fp16"
-        msg = encode(t, codec)
-        self._count_bytes(msg, incoming=False)
+        if sink is None:
+            msg = encode(t, codec)
+            self._count_bytes(msg, incoming=False)
+            return msg
+        msg, payload = encode_parts(t, codec)
+        sink[field] = payload
+        self._count_bytes(msg, incoming=False, nbytes=memoryview(payload).nbytes)
         return msg
 
     # ------------------------------------------------------------ plumbing
@@ -204,7 +214,8 @@ class StageServicer(swarm_pb2_grpc.StageServicer):
             pass  # a sibling is slow or went elsewhere: ours runs without it (recomputed, still exact)
 
     # ------------------------------------------------------------ RPCs
-    async def Forward(self, request: swarm_pb2.ForwardRequest, context: grpc.aio.ServicerContext) -> swarm_pb2.ForwardResponse:
+    async def Forward(self, request: swarm_pb2.ForwardRequest, context: grpc.aio.ServicerContext,
+                      sink: dict | None = None) -> swarm_pb2.ForwardResponse:
         async def handle() -> swarm_pb2.ForwardResponse:
             self._check_header(request.run_id, request.stage, request.microbatch_id)
             self._require_accepting()
@@ -216,11 +227,12 @@ class StageServicer(swarm_pb2_grpc.StageServicer):
             out, siblings = await self._queued(
                 "forward", lambda: self.forwards.submit((mb, x), key=(tuple(x.shape[1:]), x.dtype)))
             self._remember_siblings(mb, siblings)
-            output = self._encode(out, request.reply_codec, self.spec.compression.activations)
+            output = self._encode(out, request.reply_codec, self.spec.compression.activations, sink, "output")
             return swarm_pb2.ForwardResponse(output=output, version=self.runtime.version)
         return await self._serve("forward", context, handle)
 
-    async def Backward(self, request: swarm_pb2.BackwardRequest, context: grpc.aio.ServicerContext) -> swarm_pb2.BackwardResponse:
+    async def Backward(self, request: swarm_pb2.BackwardRequest, context: grpc.aio.ServicerContext,
+                       sink: dict | None = None) -> swarm_pb2.BackwardResponse:
         async def handle() -> swarm_pb2.BackwardResponse:
             self._check_header(request.run_id, request.stage, request.microbatch_id)
             if self.runtime.is_last:
@@ -241,11 +253,13 @@ class StageServicer(swarm_pb2_grpc.StageServicer):
             response = swarm_pb2.BackwardResponse(version=self.runtime.version, delay=result.delay,
                                                   applied=result.applied, dropped_reason=result.dropped_reason)
             if result.grad_input is not None:
-                response.grad_input.CopyFrom(self._encode(result.grad_input, request.reply_codec, self.spec.compression.gradients))
+                response.grad_input.CopyFrom(self._encode(result.grad_input, request.reply_codec,
+                                                          self.spec.compression.gradients, sink, "grad_input"))
             return response
         return await self._serve("backward", context, handle)
 
-    async def ForwardBackward(self, request: swarm_pb2.ForwardBackwardRequest, context: grpc.aio.ServicerContext) -> swarm_pb2.ForwardBackwardResponse:
+    async def ForwardBackward(self, request: swarm_pb2.ForwardBackwardRequest, context: grpc.aio.ServicerContext,
+                              sink: dict | None = None) -> swarm_pb2.ForwardBackwardResponse:
         async def handle() -> swarm_pb2.ForwardBackwardResponse:
             self._check_header(request.run_id, request.stage, request.microbatch_id)
             self._require_accepting()
@@ -261,7 +275,8 @@ class StageServicer(swarm_pb2_grpc.StageServicer):
             response = swarm_pb2.ForwardBackwardResponse(loss=result.loss or 0.0, version=self.runtime.version,
                                                          applied=result.applied, dropped_reason=result.dropped_reason)
             if result.grad_input is not None:
-                response.grad_input.CopyFrom(self._encode(result.grad_input, request.reply_codec, self.spec.compression.gradients))
+                response.grad_input.CopyFrom(self._encode(result.grad_input, request.reply_codec,
+                                                          self.spec.compression.gradients, sink, "grad_input"))
             return response
         return await self._serve("forward_backward", context, handle)
 
@@ -324,10 +339,12 @@ class StageServicer(swarm_pb2_grpc.StageServicer):
             log.info("peer %s stage %d: rejected stream: %s", self.peer_id[-6:], self.runtime.stage, e)
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
             return
-        response = await getattr(self, method)(request, context)
+        sink: dict = {}  # the reply's tensor bytes, as buffers: framed without a protobuf copy
+        response = await getattr(self, method)(request, context, sink)
         chunk = min(1 << 20, (limits.max_message_mb << 20) // 2)  # a frame never nears the message cap
-        # Serialized frames straight from the response's buffers: the raw handler sends bytes as they are.
-        for frame in frames(response, STREAM_METHODS[method][3], chunk_bytes=chunk):
+        fields = STREAM_METHODS[method][3]
+        # Serialized frames straight from the reply's buffers: the raw handler sends bytes as they are.
+        for frame in frames(response, fields, chunk_bytes=chunk, payloads=[sink.get(f) for f in fields]):
             yield frame
 
 

@@ -47,10 +47,6 @@ def raw_view(t: torch.Tensor) -> memoryview:
     return memoryview(t.numpy()).cast("B")
 
 
-def _raw_bytes(t: torch.Tensor) -> bytes:
-    return raw_view(t).tobytes()  # the one copy into the protobuf bytes field
-
-
 def all_finite(t: torch.Tensor) -> bool:
     """True when no value is NaN or Inf: a finite sum proves it in one cheap pass (NaN/Inf propagate);
     only a non-finite sum (overflow, or a real NaN/Inf) pays for the exact element-wise check."""
@@ -84,6 +80,15 @@ def encoded_size(codec: str, dtype: torch.dtype, numel: int) -> int:
 
 def encode(t: torch.Tensor, codec: str = "none") -> swarm_pb2.Tensor:
     """Tensor -> message. Non-float tensors always go uncompressed."""
+    header, payload = encode_parts(t, codec)
+    header.data = payload if isinstance(payload, bytes) else bytes(payload)  # the one copy into the message
+    return header
+
+
+def encode_parts(t: torch.Tensor, codec: str = "none") -> tuple[swarm_pb2.Tensor, memoryview | bytearray | bytes]:
+    """Tensor -> (message without its data, the data as a buffer). For ``none`` (and fp16/bf16) the
+    buffer is a view of tensor storage: a streamed call frames it without ever copying it into a
+    protobuf bytes field (each such copy, and each read back out of one, costs a pass over the data)."""
     t = t.detach()
     if t.device.type != "cpu":
         t = t.cpu()
@@ -93,22 +98,22 @@ def encode(t: torch.Tensor, codec: str = "none") -> swarm_pb2.Tensor:
         codec = "none"
     flat = t.reshape(-1)
     if codec == "none":
-        data = _raw_bytes(flat)
+        data = raw_view(flat)
     elif codec == "fp16":  # saturate instead of overflowing to inf, which the receiver would reject
         if all_finite(flat):
             saturated = flat.clamp(-FP16_MAX, FP16_MAX)
         else:  # inf stays inf (and NaN NaN): the receiver rejects them
             saturated = torch.where(flat.isinf(), flat, flat.clamp(-FP16_MAX, FP16_MAX))
-        data = _raw_bytes(saturated.to(torch.float16))
+        data = raw_view(saturated.to(torch.float16))
     elif codec == "bf16":
-        data = _raw_bytes(flat.to(torch.bfloat16))
+        data = raw_view(flat.to(torch.bfloat16))
     elif codec == "uint8":
         data = _encode_uint8(flat.float())
     elif codec == "blockwise8":
         data = _encode_blockwise8(flat.float())
     else:
         raise WireError(f"unknown codec {codec!r}")
-    return swarm_pb2.Tensor(shape=list(t.shape), dtype=DTYPE_NAMES[t.dtype], codec=codec, data=data)
+    return swarm_pb2.Tensor(shape=list(t.shape), dtype=DTYPE_NAMES[t.dtype], codec=codec), data
 
 
 def _quantize(t: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
@@ -118,7 +123,7 @@ def _quantize(t: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor
         return torch.quantize_per_tensor(t, scale, 0, dtype).int_repr()
 
 
-def _encode_uint8(flat: torch.Tensor) -> bytes:
+def _encode_uint8(flat: torch.Tensor) -> bytes | bytearray:
     if flat.numel():
         lo_t, hi_t = torch.aminmax(flat)
         lo, hi = lo_t.item(), hi_t.item()
@@ -139,7 +144,7 @@ def _encode_uint8(flat: torch.Tensor) -> bytes:
         for i in range(0, flat.numel(), CHUNK):
             chunk = flat[i:i + CHUNK]
             q_out[i:i + chunk.numel()].copy_(_quantize(chunk - lo, scale, torch.quint8))
-    return bytes(out)
+    return out
 
 
 def _blocks(flat: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -151,7 +156,7 @@ def _blocks(flat: torch.Tensor) -> tuple[torch.Tensor, int]:
     return flat.view(blocks, BLOCK_SIZE), n
 
 
-def _encode_blockwise8(flat: torch.Tensor) -> bytes:
+def _encode_blockwise8(flat: torch.Tensor) -> bytes | bytearray:
     padded, n = _blocks(flat)
     blocks = padded.shape[0]
     if not n:
@@ -172,7 +177,7 @@ def _encode_blockwise8(flat: torch.Tensor) -> bytes:
         start = b * BLOCK_SIZE
         count = min(q.numel(), n - start)  # the padded tail is not sent
         q_out[start:start + count].copy_(q[:count])
-    return bytes(out)
+    return out
 
 
 def decode(

@@ -24,7 +24,7 @@ class IdentityRuntime:
     def __init__(self, spec: RunSpec):
         self.spec, self.stage, self.version = spec, 1, 0
         self.is_first = self.is_last = False
-        self.stats = type("S", (), {"samples": 0, "dropped_stale": 0, "busy_seconds": 0.0})()
+        self.stats = type("S", (), {"samples": 0, "dropped_stale": 0, "busy_seconds": 0.0, "steps": 0})()
         self.pending: dict = {}
         self.max_pending = 256
 

@@ -58,14 +58,18 @@ def test_a_replica_that_moved_is_dropped_and_the_call_goes_to_another() -> None:
 def test_one_replica_rejecting_a_request_does_not_fail_the_microbatch() -> None:
     runner = make_runner(["faulty", "good"])
     runner.router.peers["faulty"].reported_throughput = 100.0
+    runner.router.peers["good"].reported_throughput = 1.0
+
+    called: list[str] = []
 
     async def call(view):
+        called.append(view.peer_id)
         if view.peer_id == "faulty":
             raise rpc_error(grpc.StatusCode.INVALID_ARGUMENT, "input: bad")
         return "ok"
 
     result, view = run(runner._with_retries(0, call))
-    assert view.peer_id == "good"
+    assert view.peer_id == "good" and called == ["faulty", "good"]
     assert runner.router.peers["faulty"].banned_until == 0.0  # a rejection is not a sign of ill health
 
 
@@ -85,6 +89,7 @@ def test_a_request_every_replica_rejects_fails_that_microbatch_only() -> None:
 def test_unavailable_bans_the_replica_and_retries_elsewhere() -> None:
     runner = make_runner(["draining", "other"])
     runner.router.peers["draining"].reported_throughput = 100.0
+    runner.router.peers["other"].reported_throughput = 1.0
 
     async def call(view):
         if view.peer_id == "draining":
