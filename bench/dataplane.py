@@ -92,7 +92,8 @@ async def bench_swarmpipe(address: str, sizes: list[int], seconds: float, inflig
                 header = encode(x[:0], "none")  # shape/dtype only; bytes go as a zero-copy payload
                 header.ClearField("shape")
                 header.shape.extend(x.shape)
-                request = swarm_pb2.ForwardRequest(run_id="bench", stage=1, microbatch_id="m", input=header)
+                request = swarm_pb2.ForwardRequest(run_id="bench", stage=1, microbatch_id="m", input=header,
+                                                   reply_codec="none")  # the same bytes back, as TCP does
                 response = await caller.call(channel, stub, "Forward", request, timeout=120,
                                              payloads=[raw_view(x)], expected_bytes=real)
                 y = decode(response.output, max_elements=1 << 25, what="output")
@@ -118,7 +119,7 @@ async def bench_empty_call(address: str, seconds: float) -> dict:
 
         async def tiny() -> None:
             r = await stub.Forward(swarm_pb2.ForwardRequest(run_id="bench", stage=1, microbatch_id="m",
-                                                            input=encode(x)), timeout=10)
+                                                            input=encode(x), reply_codec="none"), timeout=10)
             decode(r.output)
         fwd = await timed(tiny, seconds)
     finally:
@@ -193,6 +194,7 @@ def main() -> None:
     ap.add_argument("--out", default="bench/results/dataplane.json")
     args = ap.parse_args()
     tune_allocator()
+    torch.set_num_threads(1)  # as a trainer runs by default (and an idle OpenMP worker spins on a core)
     sizes = [k * 1024 for k in args.sizes_kib]
     # Interleaved: every round measures each size on every transport back to back, so load drift on a
     # shared machine hits all transports alike; each figure is the median over rounds.

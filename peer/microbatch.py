@@ -26,7 +26,7 @@ from peer.events import EventLog, short_id
 from peer.routing import PeerView, Router
 from peer.spec import RunSpec
 from peer.streaming import StreamingCaller
-from peer.wire import WireError, decode, encode
+from peer.wire import WireError, decode, encode, encode_parts
 from protos import swarm_pb2
 
 log = logging.getLogger("swarmpipe.trainer")
@@ -166,13 +166,16 @@ class MicrobatchRunner:
         await asyncio.sleep(1.0)
 
     # ------------------------------------------------------------ calls
-    async def _call(self, view: PeerView, method: str, request):
+    async def _call(self, view: PeerView, method: str, request, payloads: list | None = None):
         """Unary when small, chunked stream when large; one pooled channel per peer; the bytes moved and
-        the time taken feed the per-peer bandwidth estimate that "auto" codecs are chosen from."""
+        the time taken feed the per-peer bandwidth estimate that "auto" codecs are chosen from.
+        ``payloads``: the request's tensor bytes as buffers, per tensor field (None: in the message);
+        a streamed request frames them straight from tensor storage."""
         with self.policy.timed(view.address) as timed:
             response = await self.caller.call(self.pool.channel(view.address), self.pool.stub(view.address), method,
-                                              request, timeout=self.call_timeout)
-            timed.nbytes = request.ByteSize() + response.ByteSize()
+                                              request, timeout=self.call_timeout, payloads=payloads)
+            sent = sum(memoryview(p).nbytes for p in payloads or () if p is not None)
+            timed.nbytes = request.ByteSize() + sent + response.ByteSize()
         return response
 
     def _codec(self, role: str, view: PeerView, t: torch.Tensor) -> str:
@@ -187,18 +190,19 @@ class MicrobatchRunner:
 
     async def _forward(self, view: PeerView, stage: int, mb_id: str, x: torch.Tensor) -> torch.Tensor:
         codec = self._codec("activations", view, x)
+        header, payload = encode_parts(x, codec)
         request = swarm_pb2.ForwardRequest(run_id=self.spec.run_id, stage=stage, microbatch_id=mb_id,
-                                           input=encode(x, codec), reply_codec=codec)
-        response = await self._call(view, "Forward", request)
+                                           input=header, reply_codec=codec)
+        response = await self._call(view, "Forward", request, payloads=[payload])
         return decode(response.output, max_elements=self.spec.limits.max_tensor_elements,
                       expect_shape=(x.shape[0], x.shape[1], self.spec.model.d_model), what="forward output").float()
 
     async def _forward_backward(self, view: PeerView, stage: int, mb_id: str, x: torch.Tensor, targets: torch.Tensor):
+        header, payload = encode_parts(x, self._codec("activations", view, x))
         request = swarm_pb2.ForwardBackwardRequest(run_id=self.spec.run_id, stage=stage, microbatch_id=mb_id,
-                                                   input=encode(x, self._codec("activations", view, x)),
-                                                   targets=encode(targets),
+                                                   input=header, targets=encode(targets),
                                                    reply_codec=self._codec("gradients", view, x))
-        response = await self._call(view, "ForwardBackward", request)
+        response = await self._call(view, "ForwardBackward", request, payloads=[payload, None])
         if not torch.isfinite(torch.tensor(response.loss)):
             raise WireError(f"stage {stage} returned a non-finite loss")
         grad = None
@@ -212,10 +216,12 @@ class MicrobatchRunner:
         request = swarm_pb2.BackwardRequest(run_id=self.spec.run_id, stage=stage, microbatch_id=mb_id,
                                             grad_output=self._encode_grad(stage, view, grad),
                                             reply_codec=self._codec("gradients", view, grad))
+        payloads: list = [None, None]  # grad_output (error-feedback encoded, in the message), input
         if replay_input is not None:
-            request.input.CopyFrom(encode(replay_input, self._codec("activations", view, replay_input)))
+            header, payloads[1] = encode_parts(replay_input, self._codec("activations", view, replay_input))
+            request.input.CopyFrom(header)
             request.replay = True
-        response = await self._call(view, "Backward", request)
+        response = await self._call(view, "Backward", request, payloads=payloads)
         grad_in = None
         if stage > 0:
             grad_in = decode(response.grad_input, max_elements=self.spec.limits.max_tensor_elements,
