@@ -168,23 +168,31 @@ async def reassemble(stream: AsyncIterator[swarm_pb2.Frame | bytes], *, max_tota
         header = cls.FromString(first.header)
     except Exception as e:  # noqa: BLE001 - protobuf raises DecodeError subclasses
         raise WireError(f"{what}: malformed header: {e}") from None
-    buffers = [bytearray(s) for s in sizes]
+    # A tensor that arrives whole in one frame is kept as a view of that frame (no copy); one spread
+    # over several frames is copied into a buffer of its own as its pieces come.
+    buffers: list[bytearray | memoryview | None] = [None] * len(sizes)
     index, filled, received = 0, 0, 0
     async for frame in stream:
-        chunk = _frame_data(frame)
+        chunk = memoryview(_frame_data(frame))
         pos = 0
         while pos < len(chunk):
-            while index < len(buffers) and filled == len(buffers[index]):
+            while index < len(sizes) and filled == sizes[index]:
                 index, filled = index + 1, 0
-            if index == len(buffers):
+            if index == len(sizes):
                 raise WireError(f"{what}: more bytes than the {total} announced")
-            n = min(len(chunk) - pos, len(buffers[index]) - filled)
-            memoryview(buffers[index])[filled:filled + n] = memoryview(chunk)[pos:pos + n]
+            n = min(len(chunk) - pos, sizes[index] - filled)
+            if filled == 0 and n == sizes[index]:
+                buffers[index] = chunk[pos:pos + n]
+            else:
+                if buffers[index] is None:
+                    buffers[index] = bytearray(sizes[index])
+                memoryview(buffers[index])[filled:filled + n] = chunk[pos:pos + n]
             filled += n
             pos += n
         received += len(chunk)
     if received != total:
         raise WireError(f"{what}: stream ended after {received} of {total} bytes")
+    buffers = [b"" if b is None else b for b in buffers]
     tensors = {}
     for name, buf in zip(fields, buffers):
         if header.HasField(name) or buf:
