@@ -9,7 +9,8 @@ Old evidence is weak evidence. A peer whose only measurement is one slow call
 (a warm-up, a call that straddled a freeze) must not be starved forever, so a
 measurement fades with age toward the best fresh estimate of the stage, a peer
 not measured for ``PROBE_AFTER_S`` gets one probing call, and a stale estimate
-is replaced by the next measurement rather than blended with it.
+is replaced by the next measurement rather than blended with it. A banned peer
+that announces itself again in the DHT is retried within a second.
 """
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ EMA_DECAY = 0.8
 STALE_AFTER_S = 5.0  # a latency measured longer ago than this starts to fade
 STALE_HALF_LIFE_S = 10.0
 PROBE_AFTER_S = 15.0  # an idle replica gets one call this often, so its estimate stays current
+REPROBE_AFTER_ANNOUNCE_S = 1.0  # a banned peer that announced itself again is tried this soon
 
 
 @dataclass
@@ -42,6 +44,8 @@ class PeerView:
     calls: int = 0
     measured_at: float = 0.0  # clock time of the newest latency measurement
     last_seen: float = field(default_factory=time.monotonic)
+    announced_at: float = 0.0  # the peer's own timestamp on its newest record (its clock, not ours)
+    announced_at_ban: float = 0.0  # ... as it was when we banned it
 
 
 class Router:
@@ -63,6 +67,12 @@ class Router:
             view.reported_throughput = record.throughput
             view.reported_queue = record.queue
             view.last_seen = self.clock()
+            view.announced_at = record.updated_at
+            if view.banned_until > self.clock() and record.updated_at > view.announced_at_ban:
+                # It announced itself after we banned it (a paused peer resumed, a stalled one recovered):
+                # try it again soon instead of waiting out a backoff of up to BAN_MAX_S. A peer that keeps
+                # announcing while failing costs one failed call per announcement.
+                view.banned_until = min(view.banned_until, self.clock() + REPROBE_AFTER_ANNOUNCE_S)
         for peer_id in [p for p, v in self.peers.items() if v.stage == stage and p not in records and v.in_flight == 0]:
             del self.peers[peer_id]
 
@@ -149,6 +159,7 @@ class Router:
         view.failures += 1
         length = min(BAN_MAX_S, BAN_BASE_S * 2 ** (view.failures - 1))
         view.banned_until = self.clock() + length
+        view.announced_at_ban = view.announced_at
         # Forget the latency estimate: after a stall it is no longer evidence of speed.
         view.latency_ema = None if view.failures > 1 else view.latency_ema
         return length

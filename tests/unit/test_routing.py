@@ -25,9 +25,9 @@ class NoJitter(random.Random):
         return 0.0
 
 
-def rec(port: int, throughput: float = 0.0, queue: int = 0, state: str = "online") -> StageRecord:
+def rec(port: int, throughput: float = 0.0, queue: int = 0, state: str = "online", at: float = 0.0) -> StageRecord:
     return StageRecord(address=f"127.0.0.1:{port}", state=state, throughput=throughput, queue=queue,
-                       version=0, updated_at=0.0)
+                       version=0, updated_at=at)
 
 
 def make_router(clock: FakeClock | None = None, num_stages: int = 2) -> Router:
@@ -351,3 +351,23 @@ def test_a_peer_that_moved_is_dropped_until_the_dht_files_it_elsewhere() -> None
     assert mover.in_flight == 0 and mover.banned_until == 0.0  # not its fault: no ban
     r.update_stage(1, {"mover": rec(1)})  # the next refresh sees its new announcement
     assert r.choose(1).peer_id == "mover" and r.peers["mover"].stage == 1
+
+
+def test_a_banned_peer_that_announces_again_is_retried_within_a_second() -> None:
+    clock = FakeClock()
+    r = make_router(clock)
+    r.update_stage(0, {"paused": rec(1, at=100.0), "other": rec(2, at=100.0)})
+    view = r.peers["paused"]
+    for _ in range(6):  # calls time out while it is frozen: the backoff reaches its cap
+        r.started(view)
+        r.failed(view)
+    assert view.banned_until - clock.t == BAN_MAX_S
+    r.update_stage(0, {"paused": rec(1, at=100.0), "other": rec(2, at=105.0)})  # no new word from it
+    assert view.banned_until - clock.t == BAN_MAX_S
+    r.update_stage(0, {"paused": rec(1, at=131.0), "other": rec(2, at=131.0)})  # resumed: it announced
+    assert view.banned_until - clock.t <= 1.0
+    clock.t += 1.0
+    assert "paused" in {v.peer_id for v in r.available(0)}
+    r.started(view)
+    r.failed(view)  # still failing: banned again, and the backoff goes on growing
+    assert view.banned_until - clock.t == BAN_MAX_S
