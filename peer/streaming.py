@@ -1,11 +1,13 @@
 """Chunked streaming of large stage requests and responses (``rpc Stream``).
 
 A message whose tensors exceed the streaming threshold travels as frames: a first frame with
-the method, the message without its tensors' bytes, and each tensor's byte length; then the
-bytes in chunks of ``chunk_bytes``, so no single gRPC message approaches the cap and every
-buffer stays small. The receiver allocates each tensor's buffer once (after checking the total
-against ``max_total_bytes``), copies chunks straight into it, and decodes from it without a
-further copy (``peer.wire.decode`` reads a :class:`TensorView` like a ``swarm_pb2.Tensor``).
+the method, the message without its tensors' bytes, each tensor's byte length, and the first
+chunk of bytes; then the rest in chunks of ``chunk_bytes``, so no single gRPC message approaches
+the cap and every buffer stays small. (Every gRPC message is one more round through both event
+loops; a 1 MiB tensor goes in a single frame.) The receiver checks the total against
+``max_total_bytes``, keeps a tensor that came whole in one frame as a view of it, copies one
+spread over several frames into a buffer of its own, and decodes without a further copy
+(``peer.wire.decode`` reads a :class:`TensorView` like a ``swarm_pb2.Tensor``).
 A stream that ends early, overruns, or lies about its sizes raises :class:`WireError`.
 """
 from __future__ import annotations
@@ -97,11 +99,14 @@ def frames(msg, fields: Iterable[str], *, method: str = "", chunk_bytes: int = D
     memoryview over tensor storage, so the data is copied only into the frames themselves."""
     fields = tuple(fields)
     header, views = _split_payloads(msg, fields, payloads)
-    yield swarm_pb2.Frame(method=method, header=header.SerializeToString(),
-                          data_bytes=[len(v) for v in views]).SerializeToString()
-    for v in views:
-        for start in range(0, len(v), chunk_bytes):
-            yield data_frame_bytes(v[start:start + chunk_bytes])
+    first = swarm_pb2.Frame(method=method, header=header.SerializeToString(),
+                            data_bytes=[len(v) for v in views]).SerializeToString()
+    chunks = (v[start:start + chunk_bytes] for v in views for start in range(0, len(v), chunk_bytes))
+    chunk = next(chunks, None)
+    # The first chunk rides in the first frame: a serialized message is its fields concatenated.
+    yield first if chunk is None else first + data_frame_bytes(chunk)
+    for chunk in chunks:
+        yield data_frame_bytes(chunk)
 
 
 # ------------------------------------------------------------------ receiving
@@ -116,6 +121,39 @@ def _parse_varint(buf: bytes, pos: int) -> tuple[int, int]:
             return value, pos
         shift += 7
     raise WireError("malformed frame: bad length prefix")
+
+
+def _skip_field(buf, pos: int, wire_type: int) -> int:
+    if wire_type == 0:
+        return _parse_varint(buf, pos)[1]
+    if wire_type == 1:
+        return pos + 8
+    if wire_type == 2:
+        length, pos = _parse_varint(buf, pos)
+        return pos + length
+    if wire_type == 5:
+        return pos + 4
+    raise WireError(f"malformed frame: wire type {wire_type}")
+
+
+def _first_frame(raw) -> tuple[swarm_pb2.Frame, memoryview | bytes]:
+    """A first frame: (its small fields, parsed; its ``data`` as a view of ``raw``, not a copy)."""
+    if isinstance(raw, swarm_pb2.Frame):
+        return raw, raw.data
+    buf = memoryview(raw)
+    pos, data, rest = 0, memoryview(b""), []
+    while pos < len(buf):
+        start = pos
+        tag, pos = _parse_varint(buf, pos)
+        end = _skip_field(buf, pos, tag & 7)
+        if end > len(buf):
+            raise WireError("malformed frame: a field runs past its end")
+        if tag == 0x22:  # field 4 (data), length-delimited
+            data = buf[_parse_varint(buf, pos)[1]:end]
+        else:
+            rest.append(buf[start:end])
+        pos = end
+    return _frame(b"".join(rest)), data
 
 
 def _frame(raw) -> swarm_pb2.Frame:
@@ -148,7 +186,7 @@ async def reassemble(stream: AsyncIterator[swarm_pb2.Frame | bytes], *, max_tota
         break
     if first is None:
         raise WireError(f"{what}: ended before its first frame")
-    first = _frame(first)
+    first, first_chunk = _first_frame(first)
     method = expect_method or first.method
     if method not in METHODS:
         raise WireError(f"{what}: unknown method {first.method!r}; expected one of {', '.join(METHODS)}")
@@ -172,8 +210,9 @@ async def reassemble(stream: AsyncIterator[swarm_pb2.Frame | bytes], *, max_tota
     # over several frames is copied into a buffer of its own as its pieces come.
     buffers: list[bytearray | memoryview | None] = [None] * len(sizes)
     index, filled, received = 0, 0, 0
-    async for frame in stream:
-        chunk = memoryview(_frame_data(frame))
+
+    def take(chunk: memoryview) -> None:
+        nonlocal index, filled, received
         pos = 0
         while pos < len(chunk):
             while index < len(sizes) and filled == sizes[index]:
@@ -190,6 +229,10 @@ async def reassemble(stream: AsyncIterator[swarm_pb2.Frame | bytes], *, max_tota
             filled += n
             pos += n
         received += len(chunk)
+
+    take(memoryview(first_chunk))
+    async for frame in stream:
+        take(memoryview(_frame_data(frame)))
     if received != total:
         raise WireError(f"{what}: stream ended after {received} of {total} bytes")
     buffers = [b"" if b is None else b for b in buffers]

@@ -137,7 +137,7 @@ def test_raw_data_frame_with_other_fields_still_parses() -> None:
     """A data frame that is not the exact fast-path shape goes through protobuf and still counts."""
     x = torch.randn(2, 8)
     msg = swarm_pb2.ForwardRequest(run_id="r", stage=1, microbatch_id="m", input=encode(x, "none"))
-    first, *data = list(frames(msg, METHODS["Forward"][2], method="Forward", chunk_bytes=1 << 20))
+    first, *data = list(frames(msg, METHODS["Forward"][2], method="Forward", chunk_bytes=32))  # 64 bytes: 2 chunks
     odd = swarm_pb2.Frame(method="x", data=swarm_pb2.Frame.FromString(data[0]).data).SerializeToString()
     _, got = run(reassemble(_aiter([first, odd]), max_total_bytes=1 << 30))
     assert torch.equal(decode(got.input), x)
@@ -152,3 +152,23 @@ def test_malformed_raw_frames_fail_cleanly(garbage: bytes) -> None:
         run(reassemble(_aiter([first, garbage]), max_total_bytes=1 << 30))
     with pytest.raises(WireError):
         run(reassemble(_aiter([garbage]), max_total_bytes=1 << 30))
+
+
+def test_a_tensor_within_one_chunk_travels_in_the_first_frame_and_is_not_copied() -> None:
+    x = torch.randn(4, 16)
+    msg = swarm_pb2.ForwardRequest(run_id="r", stage=1, microbatch_id="m", input=encode(x, "none"))
+    raw = list(frames(msg, METHODS["Forward"][2], method="Forward", chunk_bytes=1 << 20))
+    assert len(raw) == 1  # one gRPC message: one round through each event loop, not two
+    parsed = swarm_pb2.Frame.FromString(raw[0])  # still a valid Frame to any protobuf reader
+    assert parsed.method == "Forward" and list(parsed.data_bytes) == [x.numel() * 4] and len(parsed.data) == x.numel() * 4
+    _, got = run(reassemble(_aiter(raw), max_total_bytes=1 << 30))
+    assert isinstance(got.input.data, memoryview) and got.input.data.obj is raw[0]  # a view of the frame
+    assert torch.equal(decode(got.input), x)
+
+
+def test_a_first_frame_whose_field_runs_past_its_end_fails_cleanly() -> None:
+    x = torch.randn(2, 8)
+    msg = swarm_pb2.ForwardRequest(run_id="r", stage=1, microbatch_id="m", input=encode(x, "none"))
+    first = next(iter(frames(msg, METHODS["Forward"][2], method="Forward")))
+    with pytest.raises(WireError):
+        run(reassemble(_aiter([first[:-10]]), max_total_bytes=1 << 30))
