@@ -73,9 +73,10 @@ def _varint(n: int) -> bytes:
             return bytes(out)
 
 
-def data_frame_bytes(chunk: memoryview) -> bytes:
-    """A serialized ``Frame{data: chunk}`` built with one copy (field 4, wire type 2)."""
-    return b"".join((b"\x22", _varint(len(chunk)), chunk))
+def data_frame_bytes(chunk: memoryview, prefix: bytes = b"") -> bytes:
+    """A serialized ``Frame{data: chunk}`` built with one copy (field 4, wire type 2), after ``prefix``
+    (other serialized Frame fields: a serialized message is its fields concatenated)."""
+    return b"".join((prefix, b"\x22", _varint(len(chunk)), chunk))
 
 
 def _split_payloads(msg, fields: Iterable[str], payloads: list | None):
@@ -103,8 +104,7 @@ def frames(msg, fields: Iterable[str], *, method: str = "", chunk_bytes: int = D
                             data_bytes=[len(v) for v in views]).SerializeToString()
     chunks = (v[start:start + chunk_bytes] for v in views for start in range(0, len(v), chunk_bytes))
     chunk = next(chunks, None)
-    # The first chunk rides in the first frame: a serialized message is its fields concatenated.
-    yield first if chunk is None else first + data_frame_bytes(chunk)
+    yield first if chunk is None else data_frame_bytes(chunk, prefix=first)  # the first chunk rides along
     for chunk in chunks:
         yield data_frame_bytes(chunk)
 
@@ -123,16 +123,17 @@ def _parse_varint(buf: bytes, pos: int) -> tuple[int, int]:
     raise WireError("malformed frame: bad length prefix")
 
 
-def _skip_field(buf, pos: int, wire_type: int) -> int:
+def _field_value(buf, pos: int, wire_type: int) -> tuple[int, int]:
+    """(start, end) of the value of a field whose tag ends at ``pos``."""
     if wire_type == 0:
-        return _parse_varint(buf, pos)[1]
+        return pos, _parse_varint(buf, pos)[1]
     if wire_type == 1:
-        return pos + 8
+        return pos, pos + 8
     if wire_type == 2:
-        length, pos = _parse_varint(buf, pos)
-        return pos + length
+        length, start = _parse_varint(buf, pos)
+        return start, start + length
     if wire_type == 5:
-        return pos + 4
+        return pos, pos + 4
     raise WireError(f"malformed frame: wire type {wire_type}")
 
 
@@ -145,11 +146,11 @@ def _first_frame(raw) -> tuple[swarm_pb2.Frame, memoryview | bytes]:
     while pos < len(buf):
         start = pos
         tag, pos = _parse_varint(buf, pos)
-        end = _skip_field(buf, pos, tag & 7)
+        value, end = _field_value(buf, pos, tag & 7)
         if end > len(buf):
             raise WireError("malformed frame: a field runs past its end")
         if tag == 0x22:  # field 4 (data), length-delimited
-            data = buf[_parse_varint(buf, pos)[1]:end]
+            data = buf[value:end]
         else:
             rest.append(buf[start:end])
         pos = end

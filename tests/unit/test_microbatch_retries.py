@@ -36,18 +36,27 @@ def run(coro):
     return asyncio.run(coro)
 
 
-def test_a_replica_that_moved_is_dropped_and_the_call_goes_to_another() -> None:
-    runner = make_runner(["mover", "stayer"])
-    called: list[str] = []
-
+def failing_on(bad: str, code: grpc.StatusCode, details: str, called: list[str]):
+    """A fake call: records each replica it goes to; ``bad`` fails with ``code``, the others answer "ok"."""
     async def call(view):
         called.append(view.peer_id)
-        if view.peer_id == "mover":
-            raise rpc_error(grpc.StatusCode.FAILED_PRECONDITION, "wrong stage 0: this peer serves stage 1")
+        if bad in ("*", view.peer_id):
+            raise rpc_error(code, details)
         return "ok"
+    return call
 
-    runner.router.peers["stayer"].reported_throughput = 1.0  # make the mover look faster: it is tried first
-    runner.router.peers["mover"].reported_throughput = 100.0
+
+def prefer(runner: MicrobatchRunner, first: str, then: str) -> None:
+    """Make ``first`` look faster than ``then``, so it is tried first."""
+    runner.router.peers[first].reported_throughput = 100.0
+    runner.router.peers[then].reported_throughput = 1.0
+
+
+def test_a_replica_that_moved_is_dropped_and_the_call_goes_to_another() -> None:
+    runner = make_runner(["mover", "stayer"])
+    prefer(runner, "mover", "stayer")
+    called: list[str] = []
+    call = failing_on("mover", grpc.StatusCode.FAILED_PRECONDITION, "wrong stage 0: this peer serves stage 1", called)
     result, view = run(runner._with_retries(0, call))
     assert (result, view.peer_id) == ("ok", "stayer")
     assert called == ["mover", "stayer"]
@@ -57,18 +66,9 @@ def test_a_replica_that_moved_is_dropped_and_the_call_goes_to_another() -> None:
 
 def test_one_replica_rejecting_a_request_does_not_fail_the_microbatch() -> None:
     runner = make_runner(["faulty", "good"])
-    runner.router.peers["faulty"].reported_throughput = 100.0
-    runner.router.peers["good"].reported_throughput = 1.0
-
+    prefer(runner, "faulty", "good")
     called: list[str] = []
-
-    async def call(view):
-        called.append(view.peer_id)
-        if view.peer_id == "faulty":
-            raise rpc_error(grpc.StatusCode.INVALID_ARGUMENT, "input: bad")
-        return "ok"
-
-    result, view = run(runner._with_retries(0, call))
+    result, view = run(runner._with_retries(0, failing_on("faulty", grpc.StatusCode.INVALID_ARGUMENT, "input: bad", called)))
     assert view.peer_id == "good" and called == ["faulty", "good"]
     assert runner.router.peers["faulty"].banned_until == 0.0  # a rejection is not a sign of ill health
 
@@ -76,11 +76,7 @@ def test_one_replica_rejecting_a_request_does_not_fail_the_microbatch() -> None:
 def test_a_request_every_replica_rejects_fails_that_microbatch_only() -> None:
     runner = make_runner(["a", "b"])
     calls: list[str] = []
-
-    async def call(view):
-        calls.append(view.peer_id)
-        raise rpc_error(grpc.StatusCode.INVALID_ARGUMENT, "input: token ids must lie in [0, 256)")
-
+    call = failing_on("*", grpc.StatusCode.INVALID_ARGUMENT, "input: token ids must lie in [0, 256)", calls)
     with pytest.raises(Rejected, match="every replica rejected"):
         run(runner._with_retries(0, call))
     assert sorted(calls) == ["a", "b"]  # each replica asked once, no endless loop
@@ -88,14 +84,8 @@ def test_a_request_every_replica_rejects_fails_that_microbatch_only() -> None:
 
 def test_unavailable_bans_the_replica_and_retries_elsewhere() -> None:
     runner = make_runner(["draining", "other"])
-    runner.router.peers["draining"].reported_throughput = 100.0
-    runner.router.peers["other"].reported_throughput = 1.0
-
-    async def call(view):
-        if view.peer_id == "draining":
-            raise rpc_error(grpc.StatusCode.UNAVAILABLE, "draining")
-        return "ok"
-
-    _, view = run(runner._with_retries(0, call))
+    prefer(runner, "draining", "other")
+    called: list[str] = []
+    _, view = run(runner._with_retries(0, failing_on("draining", grpc.StatusCode.UNAVAILABLE, "draining", called)))
     assert view.peer_id == "other"
     assert runner.router.peers["draining"].banned_until > 0
