@@ -78,7 +78,18 @@ class Coalescer(Generic[T]):
 
     def _schedule_drain(self, loop: asyncio.AbstractEventLoop) -> None:
         # One drain per request: a drain that finds its request already taken by an earlier batch does nothing.
-        loop.run_in_executor(self.executor, self._drain, loop)
+        # executor.submit, not loop.run_in_executor: the results reach the loop through _settle alone, and an
+        # asyncio wrapper future would wake the loop a second time per batch for nothing.
+        try:
+            self.executor.submit(self._drain, loop)
+        except RuntimeError as e:  # the executor was shut down (the peer is stopping): fail what waits
+            self._fail_all(e)
+
+    def _fail_all(self, error: BaseException) -> None:
+        with self._lock:
+            entries, self._queue = self._queue, []
+        for entry in entries:
+            _settle(entry.future, error)
 
     def _take(self) -> list[_Entry[T]]:
         with self._lock:
@@ -106,10 +117,20 @@ class Coalescer(Generic[T]):
         self.stats.batches += 1
         self.stats.items += len(batch)
         self.stats.sizes[len(batch)] += 1
-        if self.on_batch is not None:
-            self.on_batch(len(batch))
-        for entry, result in zip(batch, results):
-            loop.call_soon_threadsafe(_settle, entry.future, result)
+        try:
+            if self.on_batch is not None:
+                self.on_batch(len(batch))
+        except Exception:  # a metrics hook must not strand the batch's callers
+            log.exception("%s: on_batch hook failed", self.name)
+        try:
+            loop.call_soon_threadsafe(_settle_all, batch, results)  # one wake-up of the loop per batch
+        except RuntimeError:  # the loop is closed: nobody is waiting any more
+            pass
+
+
+def _settle_all(batch: list[_Entry], results: list[Any]) -> None:
+    for entry, result in zip(batch, results):
+        _settle(entry.future, result)
 
 
 def _settle(future: asyncio.Future, result: Any) -> None:

@@ -68,7 +68,7 @@ def _from_raw(data: bytes | memoryview, dtype: torch.dtype, count: int, offset: 
 def encoded_size(codec: str, dtype: torch.dtype, numel: int) -> int:
     """Exact byte length of ``numel`` values of ``dtype`` under ``codec``."""
     if codec == "none":
-        return numel * torch.empty(0, dtype=dtype).element_size()
+        return numel * dtype.itemsize
     if codec in ("fp16", "bf16"):
         return numel * 2
     if codec == "uint8":

@@ -153,3 +153,25 @@ def test_a_wait_gathers_requests_that_arrive_close_together() -> None:
 def test_max_items_must_be_positive() -> None:
     with pytest.raises(ValueError):
         Coalescer(ThreadPoolExecutor(1), Recorder(), max_items=0)
+
+
+def test_requests_fail_cleanly_once_the_compute_thread_is_shut_down() -> None:
+    async def main():
+        ex = ThreadPoolExecutor(1)
+        ex.shutdown()
+        c = Coalescer(ex, Recorder(), max_items=4)
+        with pytest.raises(RuntimeError, match="shutdown"):
+            await asyncio.wait_for(c.submit(1), 5)
+        assert c.pending() == 0
+    run(main())
+
+
+def test_a_failing_batch_hook_does_not_strand_the_callers() -> None:
+    def hook(size: int) -> None:
+        raise KeyError("metrics broke")
+
+    async def main():
+        with ThreadPoolExecutor(1) as ex:
+            c = Coalescer(ex, Recorder(), max_items=4, on_batch=hook)
+            assert await asyncio.wait_for(c.submit(7), 5) == (7, 1)
+    run(main())
