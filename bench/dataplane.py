@@ -1,6 +1,6 @@
 """Data-plane throughput and latency: swarmpipe's stage RPC vs raw loopback TCP vs hivemind P2P RPC.
 
-    python bench/dataplane.py [--sizes-kib 64 1024 4096 16384 65536] [--seconds 1.0] [--rounds 3] [--out ...]
+    python bench/dataplane.py [--sizes-kib 64 1024 4096 16384 65536] [--seconds 0.5] [--rounds 5] [--out ...]
 
 Every transport does the same echo: the caller sends N payload bytes, the callee sends N bytes
 back. Throughput is N / (round-trip time) (payload one way, GB/s = 1e9 B/s), so all three columns
@@ -10,7 +10,10 @@ stage peer does in a swarm; the caller is this process; everything on 127.0.0.1,
     validation, finite check, encode/decode, unary below the streaming threshold, chunked
     ``Stream`` above it; with 1 and with 4 calls in flight on one pooled channel;
   * tcp: a socket over loopback, echo into one reused buffer (recv_into / sendall): the limit;
-  * hivemind: ``P2P.call_protobuf_handler`` between two hivemind P2P daemons (the RPC Petals uses).
+  * hivemind: ``P2P.call_protobuf_handler`` between two hivemind P2P daemons (the RPC Petals uses),
+    with 1 and with 4 calls in flight.
+Ratios are paired: each is the median over rounds of the ratio measured within one round (the
+transports run seconds apart there), so this machine's drift between rounds cancels out.
 """
 from __future__ import annotations
 
@@ -159,7 +162,7 @@ def bench_tcp(address: str, sizes: list[int], seconds: float) -> dict[int, dict]
 
 
 # ------------------------------------------------------------------ hivemind
-async def bench_hivemind(maddr: str, sizes: list[int], seconds: float) -> dict[int, dict]:
+async def bench_hivemind(maddr: str, sizes: list[int], seconds: float, inflight: int = 1) -> dict[int, dict]:
     from hivemind.p2p import P2P, PeerID
 
     cap = max(sizes) + (16 << 20)
@@ -176,9 +179,12 @@ async def bench_hivemind(maddr: str, sizes: list[int], seconds: float) -> dict[i
                 r = await client.call_protobuf_handler(server_id, "echo", encode(x), swarm_pb2.Tensor)
                 decode(r)
 
-            times = await timed(one, seconds, min_reps=2)
+            async def many() -> None:
+                await asyncio.gather(*(one() for _ in range(inflight)))
+
+            times = await timed(many if inflight > 1 else one, seconds, min_reps=2)
             t = median(times)
-            results[real] = dict(gbps=real / t / 1e9, latency_ms=t * 1e3, reps=len(times))
+            results[real] = dict(gbps=real * inflight / t / 1e9, latency_ms=t * 1e3, reps=len(times))
     finally:
         await client.shutdown()
     return results
@@ -188,8 +194,9 @@ async def bench_hivemind(maddr: str, sizes: list[int], seconds: float) -> dict[i
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--sizes-kib", type=int, nargs="+", default=[64, 1024, 4096, 16384, 65536])
-    ap.add_argument("--seconds", type=float, default=1.0, help="time budget per size and transport")
-    ap.add_argument("--rounds", type=int, default=3, help="interleaved sweeps; each figure is their median")
+    ap.add_argument("--seconds", type=float, default=0.5, help="time budget per size, transport and round")
+    ap.add_argument("--rounds", type=int, default=5,
+                    help="interleaved sweeps; each figure is their median, each ratio the median of per-round ratios")
     ap.add_argument("--no-hivemind", action="store_true")
     ap.add_argument("--out", default="bench/results/dataplane.json")
     args = ap.parse_args()
@@ -197,8 +204,9 @@ def main() -> None:
     torch.set_num_threads(1)  # as a trainer runs by default (and an idle OpenMP worker spins on a core)
     sizes = [k * 1024 for k in args.sizes_kib]
     # Interleaved: every round measures each size on every transport back to back, so load drift on a
-    # shared machine hits all transports alike; each figure is the median over rounds.
-    samples: dict[str, dict[int, list[dict]]] = {name: {} for name in ("tcp", "sp1", "sp4", "hm")}
+    # shared machine hits all transports alike; each figure is the median over rounds, each ratio the
+    # median of the ratios within a round.
+    samples: dict[str, dict[int, list[dict]]] = {name: {} for name in ("tcp", "sp1", "sp4", "hm", "hm4")}
     with contextlib.ExitStack() as stack:
         tcp_at = stack.enter_context(callee("tcp"))
         stage_at = stack.enter_context(callee("stage"))
@@ -210,6 +218,7 @@ def main() -> None:
                             "sp4": asyncio.run(bench_swarmpipe(stage_at, [size], args.seconds, 4))}
                 if hm_at is not None:
                     measured["hm"] = asyncio.run(bench_hivemind(hm_at, [size], args.seconds))
+                    measured["hm4"] = asyncio.run(bench_hivemind(hm_at, [size], args.seconds, 4))
                 for name, result in measured.items():
                     for real, row in result.items():
                         samples[name].setdefault(real, []).append(row)
@@ -221,28 +230,43 @@ def main() -> None:
     def median_row(rows: list[dict]) -> dict:
         return sorted(rows, key=lambda row: row["gbps"])[len(rows) // 2]
 
-    tcp, sp1, sp4, hm = ({real: median_row(rows) for real, rows in samples[name].items()}
-                         for name in ("tcp", "sp1", "sp4", "hm"))
+    def paired(name: str, base: str, real: int) -> list[float]:
+        """The ratio within each round: both were measured seconds apart, so drift cancels."""
+        return sorted(a["gbps"] / b["gbps"] for a, b in zip(samples[name][real], samples[base][real]))
+
+    tcp, sp1, sp4, hm, hm4 = ({real: median_row(rows) for real, rows in samples[name].items()}
+                              for name in ("tcp", "sp1", "sp4", "hm", "hm4"))
     rows = []
     for real in sorted(tcp):
         r = dict(bytes=real, tcp_gbps=tcp[real]["gbps"], swarmpipe_gbps=sp1[real]["gbps"],
                  swarmpipe_x4_gbps=sp4[real]["gbps"], swarmpipe_latency_ms=sp1[real]["latency_ms"],
                  tcp_latency_ms=tcp[real]["latency_ms"])
         if real in hm:
-            r.update(hivemind_gbps=hm[real]["gbps"], hivemind_latency_ms=hm[real]["latency_ms"])
-        r["vs_tcp"] = r["swarmpipe_gbps"] / r["tcp_gbps"]
-        r["x4_vs_tcp"] = r["swarmpipe_x4_gbps"] / r["tcp_gbps"]
-        if "hivemind_gbps" in r:
-            r["vs_hivemind"] = r["swarmpipe_gbps"] / r["hivemind_gbps"]
+            r.update(hivemind_gbps=hm[real]["gbps"], hivemind_latency_ms=hm[real]["latency_ms"],
+                     hivemind_x4_gbps=hm4[real]["gbps"])
+        # Ratios are medians of the per-round ratios (paired), not ratios of medians taken at different times.
+        for key, name, base in (("vs_tcp", "sp1", "tcp"), ("x4_vs_tcp", "sp4", "tcp"), ("vs_hivemind", "sp1", "hm"),
+                                ("x4_vs_hivemind_x4", "sp4", "hm4")):
+            if real in samples[base]:
+                ratios = paired(name, base, real)
+                r[key], r[key + "_range"] = ratios[len(ratios) // 2], (ratios[0], ratios[-1])
         rows.append(r)
-    print(f"{'size':>9} {'tcp GB/s':>9} {'swarmpipe':>10} {'sp x4':>7} {'hivemind':>9} "
-          f"{'sp/tcp':>7} {'x4/tcp':>7} {'sp/hm':>7} {'sp ms':>8} {'tcp ms':>8} {'hm ms':>8}")
+    print(f"{'size':>9} {'tcp GB/s':>9} {'swarmpipe':>10} {'sp x4':>7} {'hivemind':>9} {'hm x4':>7} "
+          f"{'sp/tcp':>7} {'x4/tcp':>7} {'sp/hm':>7} {'x4/hm x4':>9} {'sp ms':>8} {'tcp ms':>8} {'hm ms':>8}")
+    nan = float("nan")
     for r in rows:
         size = f"{r['bytes'] / 1024:.0f}K" if r["bytes"] < 1 << 20 else f"{r['bytes'] / (1 << 20):.0f}M"
         print(f"{size:>9} {r['tcp_gbps']:>9.3f} {r['swarmpipe_gbps']:>10.3f} {r['swarmpipe_x4_gbps']:>7.3f} "
-              f"{r.get('hivemind_gbps', float('nan')):>9.3f} {r['vs_tcp']:>7.2f} {r['x4_vs_tcp']:>7.2f} "
-              f"{r.get('vs_hivemind', float('nan')):>7.1f} {r['swarmpipe_latency_ms']:>8.2f} "
-              f"{r['tcp_latency_ms']:>8.2f} {r.get('hivemind_latency_ms', float('nan')):>8.2f}")
+              f"{r.get('hivemind_gbps', nan):>9.3f} {r.get('hivemind_x4_gbps', nan):>7.3f} {r['vs_tcp']:>7.2f} "
+              f"{r['x4_vs_tcp']:>7.2f} {r.get('vs_hivemind', nan):>7.1f} {r.get('x4_vs_hivemind_x4', nan):>9.1f} "
+              f"{r['swarmpipe_latency_ms']:>8.2f} {r['tcp_latency_ms']:>8.2f} {r.get('hivemind_latency_ms', nan):>8.2f}")
+    if args.rounds > 1:
+        print("ratio ranges over rounds: " + "; ".join(
+            f"{r['bytes'] >> 10} KiB sp/tcp {r['vs_tcp_range'][0]:.2f}-{r['vs_tcp_range'][1]:.2f}"
+            + (f", sp/hm {r['vs_hivemind_range'][0]:.1f}-{r['vs_hivemind_range'][1]:.1f}"
+               f", x4/hm x4 {r['x4_vs_hivemind_x4_range'][0]:.1f}-{r['x4_vs_hivemind_x4_range'][1]:.1f}"
+               if "vs_hivemind" in r else "")
+            for r in rows))
     print(f"empty-ish calls: Info round trip {empty['info_rtt_ms']:.3f} ms, "
           f"Forward of a {empty['small_forward_bytes']}-byte tensor {empty['small_forward_rtt_ms']:.3f} ms")
     write_results(args.out, dict(rows=rows, empty_calls=empty, seconds_per_point=args.seconds, rounds=args.rounds,
