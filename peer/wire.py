@@ -147,37 +147,38 @@ def _encode_uint8(flat: torch.Tensor) -> bytes | bytearray:
     return out
 
 
-def _blocks(flat: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """(blocks, BLOCK_SIZE) view of ``flat``; only a ragged tail is padded (copied)."""
-    n = flat.numel()
-    blocks = math.ceil(n / BLOCK_SIZE)
-    if n % BLOCK_SIZE:
-        flat = torch.nn.functional.pad(flat, (0, blocks * BLOCK_SIZE - n))
-    return flat.view(blocks, BLOCK_SIZE), n
-
-
 def _encode_blockwise8(flat: torch.Tensor) -> bytes | bytearray:
-    padded, n = _blocks(flat)
-    blocks = padded.shape[0]
+    """[absmax per block, float32][int8 values]. Full blocks are read in place; a ragged last block
+    is quantized as one short row (its absmax over its own values equals that of a zero-padded
+    block), so nothing is padded or copied."""
+    n = flat.numel()
     if not n:
         return b""
-    out = bytearray(4 * blocks + n)  # [absmax per block, float32][int8 values], filled chunk by chunk
+    flat = flat.contiguous()
+    blocks, full = math.ceil(n / BLOCK_SIZE), n // BLOCK_SIZE
+    out = bytearray(4 * blocks + n)  # filled chunk by chunk
     absmax_out = torch.frombuffer(out, dtype=torch.float32, count=blocks)
     q_out = torch.frombuffer(out, dtype=torch.int8, offset=4 * blocks)
+    body = flat[:full * BLOCK_SIZE].view(full, BLOCK_SIZE)
     rows_per_chunk = CHUNK // BLOCK_SIZE
-    for b in range(0, blocks, rows_per_chunk):
-        rows = padded[b:b + rows_per_chunk]
-        absmax = rows.abs().amax(dim=1).clamp_(min=1e-12)
-        absmax_out[b:b + rows.shape[0]] = absmax
-        if all_finite(absmax):
-            # |x| / absmax * 127 lies in [-127, 127]: the fused quantizer rounds and casts in one pass
-            q = _quantize(rows * (127.0 / absmax)[:, None], 1.0, torch.qint8).view(torch.int8).reshape(-1)
-        else:  # NaN/Inf go as they are (the receiver rejects them)
-            q = (rows / absmax[:, None] * 127.0).round_().clamp_(-127, 127).to(torch.int8).reshape(-1)
-        start = b * BLOCK_SIZE
-        count = min(q.numel(), n - start)  # the padded tail is not sent
-        q_out[start:start + count].copy_(q[:count])
+    for b in range(0, full, rows_per_chunk):
+        rows = body[b:b + rows_per_chunk]
+        _quantize_rows(rows, absmax_out[b:b + rows.shape[0]], q_out[b * BLOCK_SIZE:(b + rows.shape[0]) * BLOCK_SIZE])
+    if n > full * BLOCK_SIZE:
+        _quantize_rows(flat[full * BLOCK_SIZE:].view(1, -1), absmax_out[full:], q_out[full * BLOCK_SIZE:])
     return out
+
+
+def _quantize_rows(rows: torch.Tensor, absmax_out: torch.Tensor, q_out: torch.Tensor) -> None:
+    """One absmax scale per row into ``absmax_out``; the row's values as int8 into ``q_out``."""
+    absmax = rows.abs().amax(dim=1).clamp_(min=1e-12)
+    absmax_out.copy_(absmax)
+    if all_finite(absmax):
+        # |x| / absmax * 127 lies in [-127, 127]: the fused quantizer rounds and casts in one pass
+        q = _quantize(rows * (127.0 / absmax)[:, None], 1.0, torch.qint8).view(torch.int8)
+    else:  # NaN/Inf go as they are (the receiver rejects them)
+        q = (rows / absmax[:, None] * 127.0).round_().clamp_(-127, 127).to(torch.int8)
+    q_out.copy_(q.reshape(-1))
 
 
 def decode(

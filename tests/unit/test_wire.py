@@ -106,6 +106,28 @@ def test_blockwise8_scales_are_per_block() -> None:
     assert (y8[BLOCK_SIZE:] - small).abs().max().item() > 1e-3
 
 
+def test_blockwise8_ragged_tail_across_chunks_keeps_its_own_scale() -> None:
+    """Several encode chunks of full blocks, then a short last block holding the largest value:
+    the tail is quantized as a short row with its own absmax, and every value stays in bound."""
+    n = CHUNK + 2 * BLOCK_SIZE + 5
+    x = sample((n,), torch.float32, seed=3)
+    x[-2] = 500.0
+    msg = encode(x, "blockwise8")
+    blocks = math.ceil(n / BLOCK_SIZE)
+    assert len(msg.data) == encoded_size("blockwise8", torch.float32, n) == 4 * blocks + n
+    scales = torch.frombuffer(bytearray(msg.data[:4 * blocks]), dtype=torch.float32)
+    assert scales[-1].item() == 500.0
+    assert torch.equal(scales[:-1], x[:(blocks - 1) * BLOCK_SIZE].view(-1, BLOCK_SIZE).abs().amax(dim=1))
+    y = decode(msg)
+    assert ((y - x).abs() <= tolerance("blockwise8", x)).all()
+
+
+def test_blockwise8_of_a_strided_tensor() -> None:
+    x = sample((BLOCK_SIZE + 9, 3), torch.float32, seed=4).t()  # not contiguous
+    y = decode(encode(x, "blockwise8"))
+    assert ((y - x).abs() <= tolerance("blockwise8", x)).all()
+
+
 def test_constant_tensor_8bit_is_exact() -> None:
     x = torch.full((37,), 2.5)
     assert torch.equal(decode(encode(x, "uint8")), x)
