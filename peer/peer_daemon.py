@@ -15,7 +15,7 @@ from peer.bootstrap import neediest_run, resolve_initial_peers
 from peer.config import PeerConfig
 from peer.events import EventLog
 from peer.metrics import PeerMetrics
-from peer.records import StageRecord, now
+from peer.records import WIRE_PROTOCOL, StageRecord, now
 from peer.stage_runtime import StageRuntime
 from peer.state_sources import hand_off_state, load_initial_state
 from peer.rebalancer import Rebalancer
@@ -159,7 +159,7 @@ class PeerDaemon:
         s = self.servicer
         return StageRecord(address=self.address, state=state or s.state, queue=s.queue, version=s.runtime.version,
                            throughput=s.runtime.throughput() if throughput is None else throughput,
-                           updated_at=now(), metrics_address=self.metrics_address)
+                           updated_at=now(), metrics_address=self.metrics_address, protocol=WIRE_PROTOCOL)
 
     @property
     def record_ttl(self) -> float:

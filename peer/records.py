@@ -20,6 +20,10 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 log = logging.getLogger("swarmpipe.records")
 
 RUNS_INDEX_KEY = "swarmpipe.runs"
+# The stage RPC protocol this code speaks (protos/swarm.proto and the framing in peer/streaming.py).
+# Bump it on any change an older peer or trainer would misread; peers of another protocol are not
+# routed to (a record without the field predates versioning: protocol 0).
+WIRE_PROTOCOL = 1
 _ADDRESS = re.compile(r"^[A-Za-z0-9_.:\-\[\]]{1,255}:\d{1,5}$")
 
 
@@ -36,6 +40,7 @@ class StageRecord(Record):
     version: int = Field(ge=0)
     updated_at: float
     metrics_address: str = ""
+    protocol: int = Field(ge=0, le=1_000_000, default=0)
 
     @field_validator("address")
     @classmethod

@@ -23,6 +23,7 @@ import torch
 from peer.channels import server_options, tune_allocator
 from peer.coalescer import Coalescer
 from peer.metrics import PeerMetrics
+from peer.records import WIRE_PROTOCOL
 from peer.stage_state import StageState, average_into, export_state, to_chunks
 from peer.state_transfer import receive_pushed
 from peer.stage_runtime import BackwardResult, StageRuntime, UnknownMicrobatch
@@ -287,7 +288,7 @@ class StageServicer(swarm_pb2_grpc.StageServicer):
             throughput=self.runtime.throughput(), queue=self.queue, state=self.state,
             samples_processed=stats.samples, dropped_stale=stats.dropped_stale, busy_seconds=stats.busy_seconds,
             cpu_seconds=time.process_time(), batches=sum(c.stats.batches for c in self._coalescers()),
-            batched_microbatches=sum(c.stats.items for c in self._coalescers()),
+            batched_microbatches=sum(c.stats.items for c in self._coalescers()), protocol=WIRE_PROTOCOL,
         )
 
     def _coalescers(self) -> tuple[Coalescer, ...]:

@@ -17,6 +17,7 @@ from hivemind.utils.crypto import RSAPrivateKey
 
 from peer.records import (
     RUNS_INDEX_KEY,
+    WIRE_PROTOCOL,
     CheckpointRecord,
     RunIndexRecord,
     StageRecord,
@@ -119,6 +120,7 @@ class SwarmDHT:
         self.peer_id = dht.peer_id.to_base58()
         # "<peer id>[owner:<public key>]": our records are signed and only we can replace them.
         self.owner_subkey = self.peer_id.encode() + signature_validator().local_public_key
+        self._incompatible: set[tuple[str, int]] = set()  # (peer, protocol) pairs already logged
 
     async def _get(self, key: str) -> Any:
         future = self.dht.get(key, latest=True, return_future=True)
@@ -174,7 +176,18 @@ class SwarmDHT:
         return await self._store(stage_key(self.run_id, stage), record.model_dump(), ttl, subkey=self.owner_subkey)
 
     async def stage_peers(self, stage: int) -> dict[str, StageRecord]:
-        return parse_subkeyed(StageRecord, await self._get(stage_key(self.run_id, stage)))
+        """The stage's peers that speak our wire protocol; others are skipped (logged once each)."""
+        records = parse_subkeyed(StageRecord, await self._get(stage_key(self.run_id, stage)))
+        return {peer: r for peer, r in records.items() if self._speaks_our_protocol(peer, r)}
+
+    def _speaks_our_protocol(self, peer: str, record: StageRecord) -> bool:
+        if record.protocol == WIRE_PROTOCOL:
+            return True
+        if (peer, record.protocol) not in self._incompatible:
+            self._incompatible.add((peer, record.protocol))
+            log.warning("dht: skipping peer %s at %s: it speaks wire protocol %d, we speak %d (upgrade one of us)",
+                        peer[-6:], record.address, record.protocol, WIRE_PROTOCOL)
+        return False
 
     async def all_stages(self, num_stages: int) -> list[dict[str, StageRecord]]:
         return list(await asyncio.gather(*(self.stage_peers(s) for s in range(num_stages))))

@@ -109,7 +109,7 @@ class InfoRequest(_message.Message):
     def __init__(self, run_id: _Optional[str] = ...) -> None: ...
 
 class InfoResponse(_message.Message):
-    __slots__ = ("peer_id", "stage", "version", "throughput", "queue", "state", "samples_processed", "dropped_stale", "busy_seconds", "cpu_seconds", "batches", "batched_microbatches")
+    __slots__ = ("peer_id", "stage", "version", "throughput", "queue", "state", "samples_processed", "dropped_stale", "busy_seconds", "cpu_seconds", "batches", "batched_microbatches", "protocol")
     PEER_ID_FIELD_NUMBER: _ClassVar[int]
     STAGE_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -122,6 +122,7 @@ class InfoResponse(_message.Message):
     CPU_SECONDS_FIELD_NUMBER: _ClassVar[int]
     BATCHES_FIELD_NUMBER: _ClassVar[int]
     BATCHED_MICROBATCHES_FIELD_NUMBER: _ClassVar[int]
+    PROTOCOL_FIELD_NUMBER: _ClassVar[int]
     peer_id: str
     stage: int
     version: int
@@ -134,7 +135,8 @@ class InfoResponse(_message.Message):
     cpu_seconds: float
     batches: int
     batched_microbatches: int
-    def __init__(self, peer_id: _Optional[str] = ..., stage: _Optional[int] = ..., version: _Optional[int] = ..., throughput: _Optional[float] = ..., queue: _Optional[int] = ..., state: _Optional[str] = ..., samples_processed: _Optional[int] = ..., dropped_stale: _Optional[int] = ..., busy_seconds: _Optional[float] = ..., cpu_seconds: _Optional[float] = ..., batches: _Optional[int] = ..., batched_microbatches: _Optional[int] = ...) -> None: ...
+    protocol: int
+    def __init__(self, peer_id: _Optional[str] = ..., stage: _Optional[int] = ..., version: _Optional[int] = ..., throughput: _Optional[float] = ..., queue: _Optional[int] = ..., state: _Optional[str] = ..., samples_processed: _Optional[int] = ..., dropped_stale: _Optional[int] = ..., busy_seconds: _Optional[float] = ..., cpu_seconds: _Optional[float] = ..., batches: _Optional[int] = ..., batched_microbatches: _Optional[int] = ..., protocol: _Optional[int] = ...) -> None: ...
 
 class DownloadStateRequest(_message.Message):
     __slots__ = ("run_id", "stage", "shard", "num_shards")

@@ -5,6 +5,7 @@ import grpc
 import pytest
 import torch
 
+from peer.records import WIRE_PROTOCOL
 from peer.wire import encode
 from protos import swarm_pb2, swarm_pb2_grpc
 
@@ -96,7 +97,7 @@ def test_bad_requests_get_clear_errors_and_peer_keeps_serving(two_peers):
                                                                   grad_output=result.grad_input))
         assert back.applied and back.version == 1
         info = _call(first, "Info", swarm_pb2.InfoRequest(run_id="test"))
-        assert info.state == "online" and info.version == 1
+        assert info.state == "online" and info.version == 1 and info.protocol == WIRE_PROTOCOL
     for peer in swarm.group.procs:
         assert peer.alive(), peer.log_text()[-2000:]
 

@@ -8,6 +8,7 @@ from hivemind.utils import ValueWithExpiration
 
 from peer.records import (
     RUNS_INDEX_KEY,
+    WIRE_PROTOCOL,
     CheckpointRecord,
     RunIndexRecord,
     StageRecord,
@@ -195,3 +196,34 @@ def test_parse_subkeyed_other_record_types() -> None:
         "bad": {"run_id": "bad", "num_stages": -1, "updated_at": 1.0},
     }))
     assert list(runs) == ["demo"] and runs["demo"].num_stages == 2
+
+
+def test_stage_record_protocol_defaults_to_before_versioning() -> None:
+    assert parse_record(StageRecord, GOOD_STAGE).protocol == 0
+    assert parse_record(StageRecord, {**GOOD_STAGE, "protocol": WIRE_PROTOCOL}).protocol == WIRE_PROTOCOL
+    assert parse_record(StageRecord, {**GOOD_STAGE, "protocol": -1}) is None
+    assert parse_record(StageRecord, {**GOOD_STAGE, "protocol": "1"}) is None  # strict: no coercion
+
+
+def test_stage_peers_skips_peers_of_another_wire_protocol(caplog: pytest.LogCaptureFixture) -> None:
+    """A peer that speaks another protocol (older, newer, or unversioned) is not offered to callers,
+    and is logged once, not on every refresh."""
+    import asyncio
+
+    from peer.swarm_dht import SwarmDHT
+
+    items = {"peerA": {**GOOD_STAGE, "protocol": WIRE_PROTOCOL},
+             "old-peer": GOOD_STAGE,
+             "new-peer": {**GOOD_STAGE, "address": "10.0.0.7:9", "protocol": WIRE_PROTOCOL + 1}}
+    swarm = SwarmDHT.__new__(SwarmDHT)  # no DHT: only the record filtering is under test
+    swarm.run_id, swarm._incompatible = "r", set()
+
+    async def fake_get(key: str):
+        assert key == stage_key("r", 0)
+        return found(items)
+    swarm._get = fake_get
+    with caplog.at_level(logging.WARNING, logger="swarmpipe.dht"):
+        for _ in range(3):
+            assert set(asyncio.run(swarm.stage_peers(0))) == {"peerA"}
+    skipped = [r.getMessage() for r in caplog.records if "wire protocol" in r.getMessage()]
+    assert len(skipped) == 2 and any("10.0.0.7:9" in m and f"protocol {WIRE_PROTOCOL + 1}" in m for m in skipped)
