@@ -17,7 +17,7 @@ import asyncio
 import logging
 import threading
 from collections import Counter
-from concurrent.futures import Executor
+from concurrent.futures import Executor, Future
 from dataclasses import dataclass, field
 from typing import Any, Callable, Generic, Hashable, TypeVar
 
@@ -81,9 +81,13 @@ class Coalescer(Generic[T]):
         # executor.submit, not loop.run_in_executor: the results reach the loop through _settle alone, and an
         # asyncio wrapper future would wake the loop a second time per batch for nothing.
         try:
-            self.executor.submit(self._drain, loop)
+            self.executor.submit(self._drain, loop).add_done_callback(self._log_crash)
         except RuntimeError as e:  # the executor was shut down (the peer is stopping): fail what waits
             self._fail_all(e)
+
+    def _log_crash(self, done: Future) -> None:
+        if not done.cancelled() and done.exception() is not None:  # a bug in _drain itself, not in a batch
+            log.error("%s: drain failed", self.name, exc_info=done.exception())
 
     def _fail_all(self, error: BaseException) -> None:
         with self._lock:
