@@ -42,13 +42,20 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 @contextlib.contextmanager
 def callee(kind: str):
     """Start ``echo_servers.py kind`` in its own process; yields its address; stops it on exit."""
-    proc = subprocess.Popen([sys.executable, os.path.join(HERE, "echo_servers.py"), kind],
+    with callee_process(kind) as (address, _):
+        yield address
+
+
+@contextlib.contextmanager
+def callee_process(kind: str, *args: str):
+    """``echo_servers.py kind args...`` in its own process; yields (address, pid); stops it on exit."""
+    proc = subprocess.Popen([sys.executable, os.path.join(HERE, "echo_servers.py"), kind, *args],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         line = proc.stdout.readline()
         if not line.startswith("READY "):
             raise RuntimeError(f"{kind} echo server did not start (exit {proc.poll()})")
-        yield line.split()[1]
+        yield line.split()[1], proc.pid
     finally:
         proc.stdin.close()
         try:

@@ -1,6 +1,6 @@
 """The callee side of ``bench/dataplane.py``: one echo server per transport, in its own process.
 
-    python bench/echo_servers.py stage|tcp|hivemind
+    python bench/echo_servers.py stage|stage-inline|stage-canned|tcp|hivemind
 
 Prints one line ``READY <address>`` (host:port, or a multiaddr for hivemind) and serves until
 stdin closes. A stage peer is a process of its own in a real swarm, with its own interpreter,
@@ -65,15 +65,39 @@ async def until_stdin_closes() -> None:
     await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)
 
 
-async def serve_stage(width: int) -> None:
+async def serve_stage(width: int, variant: str = "", canned_bytes: int = 1 << 20) -> None:
+    """``variant`` (for bench/call_breakdown.py): "inline" runs the identity forward on the event loop
+    (no coalescer, no compute thread); "canned" answers every Stream with a reply prepared up front."""
     servicer = StageServicer(IdentityRuntime(stage_spec(width)), "bench-peer", PeerMetrics())
     servicer.state = "online"
+    if variant == "inline":
+        async def forward_inline(item, key=()):
+            return item[1], None
+        servicer.forwards.submit = forward_inline
+    elif variant == "canned":
+        canned = canned_reply(width, canned_bytes)
+
+        async def stream_canned(request_iterator, context):
+            async for _ in request_iterator:
+                pass
+            for frame in canned:
+                yield frame
+        servicer.Stream = stream_canned  # before start_server: the handlers are bound there
     server, port = await start_server(servicer, "127.0.0.1", 0)
     ready(f"127.0.0.1:{port}")
     try:
         await until_stdin_closes()
     finally:
         await server.stop(None)
+
+
+def canned_reply(width: int, nbytes: int = 1 << 20) -> list[bytes]:
+    """The frames of a ForwardResponse carrying ``nbytes`` of float32 activations, built once."""
+    from peer.streaming import frames
+    from peer.wire import encode_parts
+    x = torch.randn(max(nbytes // 4 // width, 1), width)[None]
+    header, payload = encode_parts(x, "none")
+    return list(frames(swarm_pb2.ForwardResponse(output=header), ("output",), payloads=[payload]))
 
 
 def recv_exact(sock: socket.socket, view: memoryview) -> bool:
@@ -139,14 +163,16 @@ def main() -> None:
     torch.set_num_threads(1)
     tune_allocator()
     kind = sys.argv[1] if len(sys.argv) > 1 else ""
-    if kind == "stage":
-        asyncio.run(serve_stage(int(sys.argv[2]) if len(sys.argv) > 2 else WIDTH))
+    if kind in ("stage", "stage-inline", "stage-canned"):
+        width = int(sys.argv[2]) if len(sys.argv) > 2 else WIDTH
+        canned_bytes = int(sys.argv[3]) if len(sys.argv) > 3 else 1 << 20
+        asyncio.run(serve_stage(width, kind.partition("-")[2], canned_bytes))
     elif kind == "tcp":
         serve_tcp()
     elif kind == "hivemind":
         asyncio.run(serve_hivemind())
     else:
-        sys.exit("usage: echo_servers.py stage [width]|tcp|hivemind")
+        sys.exit("usage: echo_servers.py stage|stage-inline|stage-canned [width [reply bytes]]|tcp|hivemind")
 
 
 if __name__ == "__main__":
