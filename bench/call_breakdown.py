@@ -10,7 +10,7 @@ process, 25 calls at a time, so all three see the same machine load:
   * canned: a Stream handler that reads the request and yields a reply prepared up front.
 stage - inline is the compute-thread hop; inline - canned is the stage's own per-call work
 (validation, finite check, encoding, framing the reply); canned is grpc.aio plus the caller.
-Callee CPU per call comes from /proc (all threads of the callee process).
+Callee CPU per call comes from /proc/<pid>/stat (every thread of the callee process).
 """
 from __future__ import annotations
 
@@ -24,36 +24,22 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench.dataplane import callee_process, median, tensor_for  # noqa: E402
+from bench.dataplane import callee_process, echo_request, median, tensor_for  # noqa: E402
 from bench.echo_servers import WIDTH  # noqa: E402
-from bench.pipeline import write_results  # noqa: E402
+from bench.pipeline import cpu_seconds, write_results  # noqa: E402
 from peer.channels import ChannelPool, tune_allocator  # noqa: E402
 from peer.streaming import StreamingCaller  # noqa: E402
-from peer.wire import decode, encode, raw_view  # noqa: E402
-from protos import swarm_pb2  # noqa: E402
+from peer.wire import decode, raw_view  # noqa: E402
 
 VARIANTS = ("stage", "inline", "canned")
 BURST = 25
-
-
-def process_cpu_seconds(pid: int) -> float:
-    """User + system CPU of every thread of ``pid`` (Linux /proc)."""
-    ticks = 0
-    for tid in os.listdir(f"/proc/{pid}/task"):
-        with open(f"/proc/{pid}/task/{tid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        ticks += int(fields[11]) + int(fields[12])
-    return ticks / os.sysconf("SC_CLK_TCK")
 
 
 async def measure(callees: dict[str, tuple[str, int]], nbytes: int, seconds: float) -> dict[str, dict]:
     pool, caller = ChannelPool(64), StreamingCaller()
     x = tensor_for(nbytes)
     real = x.numel() * 4
-    header = encode(x[:0], "none")
-    header.ClearField("shape")
-    header.shape.extend(x.shape)
-    request = swarm_pb2.ForwardRequest(run_id="bench", stage=1, microbatch_id="m", input=header, reply_codec="none")
+    request = echo_request(x)
 
     async def one(address: str) -> None:
         response = await caller.call(pool.channel(address), pool.stub(address), "Forward", request, timeout=60,
@@ -69,13 +55,13 @@ async def measure(callees: dict[str, tuple[str, int]], nbytes: int, seconds: flo
         start = time.monotonic()
         while time.monotonic() - start < seconds:
             for name, (address, pid) in callees.items():
-                before, own = process_cpu_seconds(pid), time.process_time()
+                before, own = cpu_seconds(pid), time.process_time()
                 for _ in range(BURST):
                     t = time.perf_counter()
                     await one(address)
                     times[name].append(time.perf_counter() - t)
                 caller_cpu[name] += time.process_time() - own
-                cpu[name] += process_cpu_seconds(pid) - before
+                cpu[name] += cpu_seconds(pid) - before
     finally:
         await pool.close()
     return {name: dict(latency_ms=median(ts) * 1e3, callee_cpu_ms=cpu[name] / len(ts) * 1e3,

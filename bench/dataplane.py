@@ -88,6 +88,15 @@ def median(xs: list[float]) -> float:
 
 
 # ------------------------------------------------------------------ swarmpipe
+def echo_request(x: torch.Tensor) -> swarm_pb2.ForwardRequest:
+    """A Forward of ``x`` to the identity stage whose tensor carries shape and dtype only: the bytes
+    go as a zero-copy payload (``raw_view(x)``). The reply comes back uncompressed, as with TCP."""
+    header = encode(x[:0], "none")
+    header.ClearField("shape")
+    header.shape.extend(x.shape)
+    return swarm_pb2.ForwardRequest(run_id="bench", stage=1, microbatch_id="m", input=header, reply_codec="none")
+
+
 async def bench_swarmpipe(address: str, sizes: list[int], seconds: float, inflight: int) -> dict[int, dict]:
     pool = ChannelPool(64)
     caller = StreamingCaller()
@@ -99,12 +108,7 @@ async def bench_swarmpipe(address: str, sizes: list[int], seconds: float, inflig
             real = x.numel() * 4
 
             async def one(x=x) -> None:
-                header = encode(x[:0], "none")  # shape/dtype only; bytes go as a zero-copy payload
-                header.ClearField("shape")
-                header.shape.extend(x.shape)
-                request = swarm_pb2.ForwardRequest(run_id="bench", stage=1, microbatch_id="m", input=header,
-                                                   reply_codec="none")  # the same bytes back, as TCP does
-                response = await caller.call(channel, stub, "Forward", request, timeout=120,
+                response = await caller.call(channel, stub, "Forward", echo_request(x), timeout=120,
                                              payloads=[raw_view(x)], expected_bytes=real)
                 y = decode(response.output, max_elements=1 << 25, what="output")
                 assert y.shape == x.shape

@@ -26,6 +26,8 @@ from peer.channels import tune_allocator  # noqa: E402
 from peer.metrics import PeerMetrics  # noqa: E402
 from peer.spec import LimitsSpec, ModelSpec, RunSpec  # noqa: E402
 from peer.stage_server import StageServicer, start_server  # noqa: E402
+from peer.streaming import frames  # noqa: E402
+from peer.wire import encode_parts  # noqa: E402
 from protos import swarm_pb2  # noqa: E402
 
 WIDTH = 1024  # the identity stage's d_model
@@ -93,8 +95,6 @@ async def serve_stage(width: int, variant: str = "", canned_bytes: int = 1 << 20
 
 def canned_reply(width: int, nbytes: int = 1 << 20) -> list[bytes]:
     """The frames of a ForwardResponse carrying ``nbytes`` of float32 activations, built once."""
-    from peer.streaming import frames
-    from peer.wire import encode_parts
     x = torch.randn(max(nbytes // 4 // width, 1), width)[None]
     header, payload = encode_parts(x, "none")
     return list(frames(swarm_pb2.ForwardResponse(output=header), ("output",), payloads=[payload]))
