@@ -50,6 +50,7 @@ COPY pyproject.toml README.m[d] /src/
 COPY peer /src/peer
 COPY coordinator /src/coordinator
 COPY protos /src/protos
+COPY swarmpipe /src/swarmpipe
 RUN set -eu; [ -n "${PIP_INDEX_URL:-}" ] || unset PIP_INDEX_URL; \
     if [ "$WHEELHOUSE" != "off" ] && ls /wheels/*.whl >/dev/null 2>&1; then \
         /opt/venv/bin/pip wheel --no-deps --no-index --find-links /wheels --wheel-dir /dist /src; \

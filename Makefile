@@ -27,8 +27,14 @@ bench: setup
 	$(BIN)/python bench/convergence.py
 
 # Regenerate protos/swarm_pb2*.py from protos/swarm.proto (tests fail when they drift).
+# The proto is compiled under its installed path (swarmpipe/protos/), so the generated code imports
+# `swarmpipe.protos.swarm_pb2`.
 protos: setup
-	$(BIN)/python -m grpc_tools.protoc -I. --python_out=. --pyi_out=. --grpc_python_out=. protos/swarm.proto
+	rm -rf build/protos && mkdir -p build/protos
+	$(BIN)/python -m grpc_tools.protoc -Iswarmpipe/protos=protos --python_out=build/protos --pyi_out=build/protos \
+		--grpc_python_out=build/protos swarmpipe/protos/swarm.proto
+	cp build/protos/swarmpipe/protos/swarm_pb2.py build/protos/swarmpipe/protos/swarm_pb2.pyi \
+		build/protos/swarmpipe/protos/swarm_pb2_grpc.py protos/
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

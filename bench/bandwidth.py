@@ -30,8 +30,8 @@ from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.pipeline import LocalSwarm, summarize, write_results  # noqa: E402
-from peer.spec import CODECS  # noqa: E402
-from peer.wire import encoded_size  # noqa: E402
+from swarmpipe.peer.spec import CODECS  # noqa: E402
+from swarmpipe.peer.transport.wire import encoded_size  # noqa: E402
 
 import torch  # noqa: E402
 

@@ -27,9 +27,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.dataplane import callee_process, echo_request, median, tensor_for  # noqa: E402
 from bench.echo_servers import WIDTH  # noqa: E402
 from bench.pipeline import cpu_seconds, write_results  # noqa: E402
-from peer.channels import ChannelPool, tune_allocator  # noqa: E402
-from peer.streaming import StreamingCaller  # noqa: E402
-from peer.wire import decode, raw_view  # noqa: E402
+from swarmpipe.peer.transport.channels import ChannelPool, tune_allocator  # noqa: E402
+from swarmpipe.peer.transport.streaming import StreamingCaller  # noqa: E402
+from swarmpipe.peer.transport.wire import decode, raw_view  # noqa: E402
 
 VARIANTS = ("stage", "inline", "canned")
 BURST = 25

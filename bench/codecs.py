@@ -16,8 +16,8 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from peer.channels import tune_allocator  # noqa: E402
-from peer.wire import decode, encode  # noqa: E402
+from swarmpipe.peer.transport.channels import tune_allocator  # noqa: E402
+from swarmpipe.peer.transport.wire import decode, encode  # noqa: E402
 
 CODECS = ("none", "fp16", "bf16", "uint8", "blockwise8")
 
@@ -41,7 +41,7 @@ def main() -> None:
     ap.add_argument("--out", default="bench/results/codecs.json")
     args = ap.parse_args()
     torch.set_num_threads(1)
-    tune_allocator()  # as peers and trainers do (peer.channels)
+    tune_allocator()  # as peers and trainers do (swarmpipe.peer.transport.channels)
     rows = []
     for mib in args.sizes_mib:
         n = int(mib * (1 << 20)) // 4

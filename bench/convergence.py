@@ -24,9 +24,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from peer.data import BatchSampler, CorpusSplit, load_corpus  # noqa: E402
-from peer.optim.delay_simulator import one_f_one_b_delays, simulate  # noqa: E402
-from peer.spec import ModelSpec, OptimizerSpec, RunSpec  # noqa: E402
+from swarmpipe.peer.trainer.data import BatchSampler, CorpusSplit, load_corpus  # noqa: E402
+from swarmpipe.peer.optim.delay_simulator import one_f_one_b_delays, simulate  # noqa: E402
+from swarmpipe.peer.spec import ModelSpec, OptimizerSpec, RunSpec  # noqa: E402
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "convergence.json"
 

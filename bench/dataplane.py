@@ -31,10 +31,10 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.echo_servers import WIDTH, recv_exact  # noqa: E402
 from bench.pipeline import write_results  # noqa: E402
-from peer.channels import ChannelPool, tune_allocator  # noqa: E402
-from peer.streaming import StreamingCaller  # noqa: E402
-from peer.wire import decode, encode, raw_view  # noqa: E402
-from protos import swarm_pb2  # noqa: E402
+from swarmpipe.peer.transport.channels import ChannelPool, tune_allocator  # noqa: E402
+from swarmpipe.peer.transport.streaming import StreamingCaller  # noqa: E402
+from swarmpipe.peer.transport.wire import decode, encode, raw_view  # noqa: E402
+from swarmpipe.protos import swarm_pb2  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 

@@ -22,13 +22,13 @@ import threading
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from peer.channels import tune_allocator  # noqa: E402
-from peer.metrics import PeerMetrics  # noqa: E402
-from peer.spec import LimitsSpec, ModelSpec, RunSpec  # noqa: E402
-from peer.stage_server import StageServicer, start_server  # noqa: E402
-from peer.streaming import frames  # noqa: E402
-from peer.wire import encode_parts  # noqa: E402
-from protos import swarm_pb2  # noqa: E402
+from swarmpipe.peer.transport.channels import tune_allocator  # noqa: E402
+from swarmpipe.peer.stage.metrics import PeerMetrics  # noqa: E402
+from swarmpipe.peer.spec import LimitsSpec, ModelSpec, RunSpec  # noqa: E402
+from swarmpipe.peer.stage.server import StageServicer, start_server  # noqa: E402
+from swarmpipe.peer.transport.streaming import frames  # noqa: E402
+from swarmpipe.peer.transport.wire import encode_parts  # noqa: E402
+from swarmpipe.protos import swarm_pb2  # noqa: E402
 
 WIDTH = 1024  # the identity stage's d_model
 MAX_BYTES = 80 << 20

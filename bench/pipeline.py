@@ -2,7 +2,7 @@
 
     python bench/pipeline.py [--stages 4] [--steps 120] [--rounds 2] [--out bench/results/pipeline.json]
 
-Starts a coordinator and one peer per stage (real processes, ``python -m peer.cli``), then runs
+Starts a coordinator and one peer per stage (real processes, ``python -m swarmpipe.cli.main``), then runs
 trainers one after another against that swarm, interleaving the schedules (async, flush, async,
 flush, ...) so that load drift on a shared machine hits both alike:
   * ``async``: the default trainer (``--in-flight`` = 2 per stage, no flush);
@@ -22,7 +22,7 @@ CPU seconds of each peer process, from /proc, over the same window) is printed n
 
 Time breakdown of one micro-batch (round trip through all stages, forward and backward):
   * compute: sum over stages of delta busy_seconds / micro-batches (peers time their own compute);
-  * encode / decode: ``peer.wire.encode`` / ``decode`` of an activation-sized tensor with the
+  * encode / decode: ``swarmpipe.peer.transport.wire.encode`` / ``decode`` of an activation-sized tensor with the
     spec's codecs, timed in this process, times the number of activation-sized tensors one
     micro-batch moves: 4 (P - 1) (the trainer relays every hop, so each of the P - 1 activations
     and P - 1 gradients is sent twice);
@@ -46,9 +46,9 @@ import grpc
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from peer.launch import ProcessGroup, read_json, wait_for  # noqa: E402
-from peer.wire import decode, encode  # noqa: E402
-from protos import swarm_pb2, swarm_pb2_grpc  # noqa: E402
+from swarmpipe.cli.launcher import ProcessGroup, read_json, wait_for  # noqa: E402
+from swarmpipe.peer.transport.wire import decode, encode  # noqa: E402
+from swarmpipe.protos import swarm_pb2, swarm_pb2_grpc  # noqa: E402
 
 SPEC = """
 run_id = "{run_id}"
@@ -121,11 +121,11 @@ class LocalSwarm:
             return self.group.start(name, role, *args)
         # Same bookkeeping as ProcessGroup.start, with a command prefix (ip netns exec NS).
         import subprocess
-        from peer.launch import Launched
+        from swarmpipe.cli.launcher import Launched
         log_path = self.workdir / f"{name}.log"
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **self.group.env}
         with open(log_path, "ab") as log:
-            proc = subprocess.Popen([*prefix, sys.executable, "-m", "peer.cli", role, *args], stdout=log,
+            proc = subprocess.Popen([*prefix, sys.executable, "-m", "swarmpipe.cli.main", role, *args], stdout=log,
                                     stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, start_new_session=True,
                                     cwd=os.getcwd())
         launched = Launched(name, proc, log_path)

@@ -24,9 +24,9 @@ from typing import Any
 import grpc
 from safetensors.torch import load_file, save_file
 
-from peer.stage_state import StageState, to_chunks
-from peer.state_transfer import receive_pushed
-from protos import swarm_pb2, swarm_pb2_grpc
+from swarmpipe.peer.stage.state import StageState, to_chunks
+from swarmpipe.peer.stage.state_transfer import receive_pushed
+from swarmpipe.protos import swarm_pb2, swarm_pb2_grpc
 
 log = logging.getLogger("swarmpipe.checkpoints")
 KEEP = 3

@@ -14,8 +14,8 @@ from importlib import resources
 from typing import Any
 from urllib.parse import urlparse
 
-from coordinator.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
-from coordinator.metrics import CoordinatorMetrics
+from swarmpipe.coordinator.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from swarmpipe.coordinator.metrics import CoordinatorMetrics
 
 log = logging.getLogger("swarmpipe.http")
 

@@ -17,17 +17,17 @@ from typing import Any
 
 import grpc
 
-from coordinator.checkpoints import CheckpointServicer, CheckpointStore
-from coordinator.http import SwarmHttpServer
-from peer.channels import server_options
-from peer.config import CoordinatorConfig
-from peer.events import EventLog
-from peer.records import CheckpointRecord, RunIndexRecord, now
-from peer.spec import RunSpec, load_spec
-from peer.stage_state import StateError
-from peer.state_transfer import download_state
-from peer.swarm_dht import SwarmDHT, start_dht, visible_maddrs
-from protos import swarm_pb2_grpc
+from swarmpipe.coordinator.checkpoints import CheckpointServicer, CheckpointStore
+from swarmpipe.coordinator.http import SwarmHttpServer
+from swarmpipe.peer.transport.channels import server_options
+from swarmpipe.peer.config import CoordinatorConfig
+from swarmpipe.peer.events import EventLog
+from swarmpipe.peer.swarm.records import CheckpointRecord, RunIndexRecord, now
+from swarmpipe.peer.spec import RunSpec, load_spec
+from swarmpipe.peer.stage.state import StateError
+from swarmpipe.peer.stage.state_transfer import download_state
+from swarmpipe.peer.swarm.dht import SwarmDHT, start_dht, visible_maddrs
+from swarmpipe.protos import swarm_pb2_grpc
 
 log = logging.getLogger("swarmpipe.coordinator")
 POLL_PERIOD_S = 2.0

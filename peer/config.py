@@ -1,7 +1,7 @@
 """Configuration of each role: one dataclass per command, shared by CLI, files, env and tests.
 
 Every field becomes a flag ``--field-name`` and reads ``SWARMPIPE_FIELD_NAME``;
-see :mod:`peer.cli_args` for precedence (flag > environment > config file > default).
+see :mod:`swarmpipe.cli.args` for precedence (flag > environment > config file > default).
 Field metadata ``help`` documents the flag.
 """
 from __future__ import annotations

@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from protos import swarm_pb2 as protos_dot_swarm__pb2
+from swarmpipe.protos import swarm_pb2 as swarmpipe_dot_protos_dot_swarm__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -18,7 +18,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in protos/swarm_pb2_grpc.py depends on'
+        + ' but the generated code in swarmpipe/protos/swarm_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -36,38 +36,38 @@ class StageStub:
         """
         self.Forward = channel.unary_unary(
                 '/swarmpipe.Stage/Forward',
-                request_serializer=protos_dot_swarm__pb2.ForwardRequest.SerializeToString,
-                response_deserializer=protos_dot_swarm__pb2.ForwardResponse.FromString,
+                request_serializer=swarmpipe_dot_protos_dot_swarm__pb2.ForwardRequest.SerializeToString,
+                response_deserializer=swarmpipe_dot_protos_dot_swarm__pb2.ForwardResponse.FromString,
                 _registered_method=True)
         self.Backward = channel.unary_unary(
                 '/swarmpipe.Stage/Backward',
-                request_serializer=protos_dot_swarm__pb2.BackwardRequest.SerializeToString,
-                response_deserializer=protos_dot_swarm__pb2.BackwardResponse.FromString,
+                request_serializer=swarmpipe_dot_protos_dot_swarm__pb2.BackwardRequest.SerializeToString,
+                response_deserializer=swarmpipe_dot_protos_dot_swarm__pb2.BackwardResponse.FromString,
                 _registered_method=True)
         self.ForwardBackward = channel.unary_unary(
                 '/swarmpipe.Stage/ForwardBackward',
-                request_serializer=protos_dot_swarm__pb2.ForwardBackwardRequest.SerializeToString,
-                response_deserializer=protos_dot_swarm__pb2.ForwardBackwardResponse.FromString,
+                request_serializer=swarmpipe_dot_protos_dot_swarm__pb2.ForwardBackwardRequest.SerializeToString,
+                response_deserializer=swarmpipe_dot_protos_dot_swarm__pb2.ForwardBackwardResponse.FromString,
                 _registered_method=True)
         self.Info = channel.unary_unary(
                 '/swarmpipe.Stage/Info',
-                request_serializer=protos_dot_swarm__pb2.InfoRequest.SerializeToString,
-                response_deserializer=protos_dot_swarm__pb2.InfoResponse.FromString,
+                request_serializer=swarmpipe_dot_protos_dot_swarm__pb2.InfoRequest.SerializeToString,
+                response_deserializer=swarmpipe_dot_protos_dot_swarm__pb2.InfoResponse.FromString,
                 _registered_method=True)
         self.DownloadState = channel.unary_stream(
                 '/swarmpipe.Stage/DownloadState',
-                request_serializer=protos_dot_swarm__pb2.DownloadStateRequest.SerializeToString,
-                response_deserializer=protos_dot_swarm__pb2.StateChunk.FromString,
+                request_serializer=swarmpipe_dot_protos_dot_swarm__pb2.DownloadStateRequest.SerializeToString,
+                response_deserializer=swarmpipe_dot_protos_dot_swarm__pb2.StateChunk.FromString,
                 _registered_method=True)
         self.PushState = channel.stream_unary(
                 '/swarmpipe.Stage/PushState',
-                request_serializer=protos_dot_swarm__pb2.StateChunk.SerializeToString,
-                response_deserializer=protos_dot_swarm__pb2.PushStateResponse.FromString,
+                request_serializer=swarmpipe_dot_protos_dot_swarm__pb2.StateChunk.SerializeToString,
+                response_deserializer=swarmpipe_dot_protos_dot_swarm__pb2.PushStateResponse.FromString,
                 _registered_method=True)
         self.Stream = channel.stream_stream(
                 '/swarmpipe.Stage/Stream',
-                request_serializer=protos_dot_swarm__pb2.Frame.SerializeToString,
-                response_deserializer=protos_dot_swarm__pb2.Frame.FromString,
+                request_serializer=swarmpipe_dot_protos_dot_swarm__pb2.Frame.SerializeToString,
+                response_deserializer=swarmpipe_dot_protos_dot_swarm__pb2.Frame.FromString,
                 _registered_method=True)
 
 
@@ -124,38 +124,38 @@ def add_StageServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Forward': grpc.unary_unary_rpc_method_handler(
                     servicer.Forward,
-                    request_deserializer=protos_dot_swarm__pb2.ForwardRequest.FromString,
-                    response_serializer=protos_dot_swarm__pb2.ForwardResponse.SerializeToString,
+                    request_deserializer=swarmpipe_dot_protos_dot_swarm__pb2.ForwardRequest.FromString,
+                    response_serializer=swarmpipe_dot_protos_dot_swarm__pb2.ForwardResponse.SerializeToString,
             ),
             'Backward': grpc.unary_unary_rpc_method_handler(
                     servicer.Backward,
-                    request_deserializer=protos_dot_swarm__pb2.BackwardRequest.FromString,
-                    response_serializer=protos_dot_swarm__pb2.BackwardResponse.SerializeToString,
+                    request_deserializer=swarmpipe_dot_protos_dot_swarm__pb2.BackwardRequest.FromString,
+                    response_serializer=swarmpipe_dot_protos_dot_swarm__pb2.BackwardResponse.SerializeToString,
             ),
             'ForwardBackward': grpc.unary_unary_rpc_method_handler(
                     servicer.ForwardBackward,
-                    request_deserializer=protos_dot_swarm__pb2.ForwardBackwardRequest.FromString,
-                    response_serializer=protos_dot_swarm__pb2.ForwardBackwardResponse.SerializeToString,
+                    request_deserializer=swarmpipe_dot_protos_dot_swarm__pb2.ForwardBackwardRequest.FromString,
+                    response_serializer=swarmpipe_dot_protos_dot_swarm__pb2.ForwardBackwardResponse.SerializeToString,
             ),
             'Info': grpc.unary_unary_rpc_method_handler(
                     servicer.Info,
-                    request_deserializer=protos_dot_swarm__pb2.InfoRequest.FromString,
-                    response_serializer=protos_dot_swarm__pb2.InfoResponse.SerializeToString,
+                    request_deserializer=swarmpipe_dot_protos_dot_swarm__pb2.InfoRequest.FromString,
+                    response_serializer=swarmpipe_dot_protos_dot_swarm__pb2.InfoResponse.SerializeToString,
             ),
             'DownloadState': grpc.unary_stream_rpc_method_handler(
                     servicer.DownloadState,
-                    request_deserializer=protos_dot_swarm__pb2.DownloadStateRequest.FromString,
-                    response_serializer=protos_dot_swarm__pb2.StateChunk.SerializeToString,
+                    request_deserializer=swarmpipe_dot_protos_dot_swarm__pb2.DownloadStateRequest.FromString,
+                    response_serializer=swarmpipe_dot_protos_dot_swarm__pb2.StateChunk.SerializeToString,
             ),
             'PushState': grpc.stream_unary_rpc_method_handler(
                     servicer.PushState,
-                    request_deserializer=protos_dot_swarm__pb2.StateChunk.FromString,
-                    response_serializer=protos_dot_swarm__pb2.PushStateResponse.SerializeToString,
+                    request_deserializer=swarmpipe_dot_protos_dot_swarm__pb2.StateChunk.FromString,
+                    response_serializer=swarmpipe_dot_protos_dot_swarm__pb2.PushStateResponse.SerializeToString,
             ),
             'Stream': grpc.stream_stream_rpc_method_handler(
                     servicer.Stream,
-                    request_deserializer=protos_dot_swarm__pb2.Frame.FromString,
-                    response_serializer=protos_dot_swarm__pb2.Frame.SerializeToString,
+                    request_deserializer=swarmpipe_dot_protos_dot_swarm__pb2.Frame.FromString,
+                    response_serializer=swarmpipe_dot_protos_dot_swarm__pb2.Frame.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -183,8 +183,8 @@ class Stage:
             request,
             target,
             '/swarmpipe.Stage/Forward',
-            protos_dot_swarm__pb2.ForwardRequest.SerializeToString,
-            protos_dot_swarm__pb2.ForwardResponse.FromString,
+            swarmpipe_dot_protos_dot_swarm__pb2.ForwardRequest.SerializeToString,
+            swarmpipe_dot_protos_dot_swarm__pb2.ForwardResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -210,8 +210,8 @@ class Stage:
             request,
             target,
             '/swarmpipe.Stage/Backward',
-            protos_dot_swarm__pb2.BackwardRequest.SerializeToString,
-            protos_dot_swarm__pb2.BackwardResponse.FromString,
+            swarmpipe_dot_protos_dot_swarm__pb2.BackwardRequest.SerializeToString,
+            swarmpipe_dot_protos_dot_swarm__pb2.BackwardResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -237,8 +237,8 @@ class Stage:
             request,
             target,
             '/swarmpipe.Stage/ForwardBackward',
-            protos_dot_swarm__pb2.ForwardBackwardRequest.SerializeToString,
-            protos_dot_swarm__pb2.ForwardBackwardResponse.FromString,
+            swarmpipe_dot_protos_dot_swarm__pb2.ForwardBackwardRequest.SerializeToString,
+            swarmpipe_dot_protos_dot_swarm__pb2.ForwardBackwardResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -264,8 +264,8 @@ class Stage:
             request,
             target,
             '/swarmpipe.Stage/Info',
-            protos_dot_swarm__pb2.InfoRequest.SerializeToString,
-            protos_dot_swarm__pb2.InfoResponse.FromString,
+            swarmpipe_dot_protos_dot_swarm__pb2.InfoRequest.SerializeToString,
+            swarmpipe_dot_protos_dot_swarm__pb2.InfoResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -291,8 +291,8 @@ class Stage:
             request,
             target,
             '/swarmpipe.Stage/DownloadState',
-            protos_dot_swarm__pb2.DownloadStateRequest.SerializeToString,
-            protos_dot_swarm__pb2.StateChunk.FromString,
+            swarmpipe_dot_protos_dot_swarm__pb2.DownloadStateRequest.SerializeToString,
+            swarmpipe_dot_protos_dot_swarm__pb2.StateChunk.FromString,
             options,
             channel_credentials,
             insecure,
@@ -318,8 +318,8 @@ class Stage:
             request_iterator,
             target,
             '/swarmpipe.Stage/PushState',
-            protos_dot_swarm__pb2.StateChunk.SerializeToString,
-            protos_dot_swarm__pb2.PushStateResponse.FromString,
+            swarmpipe_dot_protos_dot_swarm__pb2.StateChunk.SerializeToString,
+            swarmpipe_dot_protos_dot_swarm__pb2.PushStateResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -345,8 +345,8 @@ class Stage:
             request_iterator,
             target,
             '/swarmpipe.Stage/Stream',
-            protos_dot_swarm__pb2.Frame.SerializeToString,
-            protos_dot_swarm__pb2.Frame.FromString,
+            swarmpipe_dot_protos_dot_swarm__pb2.Frame.SerializeToString,
+            swarmpipe_dot_protos_dot_swarm__pb2.Frame.FromString,
             options,
             channel_credentials,
             insecure,

@@ -9,7 +9,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from peer.launch import Launched, ProcessGroup, coordinator_http_url, read_json, wait_for
+from swarmpipe.cli.launcher import Launched, ProcessGroup, coordinator_http_url, read_json, wait_for
 
 # A model small enough that several peers share two cores comfortably.
 SMALL_SPEC = """
@@ -61,7 +61,7 @@ class Swarm:
         peers_file.unlink(missing_ok=True)
         self.coordinator = self.group.start(
             "coordinator", "coordinator", "--spec", str(spec), "--http-port", "0", "--peers-file", str(peers_file),
-            "--identity", str(self.workdir / "coordinator.key"), "--checkpoint-dir", str(self.workdir / "checkpoints"),
+            "--identity", str(self.workdir / "swarmpipe.coordinator.key"), "--checkpoint-dir", str(self.workdir / "checkpoints"),
             "--event-log", str(self.events), *args)
         if wait:
             wait_for(peers_file.exists, 60, "coordinator initial peers", procs=[self.coordinator])

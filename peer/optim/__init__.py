@@ -14,9 +14,9 @@ from typing import Iterable
 import torch
 from torch import nn
 
-from peer.optim.basis_rotation import BasisRotationAdam, rotation_param_groups
-from peer.optim.nesterov import PipelineNesterov, stage_beta1, stage_delay
-from peer.spec import OptimizerSpec
+from swarmpipe.peer.optim.basis_rotation import BasisRotationAdam, rotation_param_groups
+from swarmpipe.peer.optim.nesterov import PipelineNesterov, stage_beta1, stage_delay
+from swarmpipe.peer.spec import OptimizerSpec
 
 # Horizon T of the no-stash learning-rate correction when the spec has no total_steps.
 DEFAULT_CORRECTION_STEPS = 1000

@@ -33,9 +33,9 @@ from typing import Callable, Iterable, Sequence
 import torch
 from torch.func import functional_call
 
-from peer.model import PipelineStage, lm_loss
-from peer.optim import build_optimizer, set_learning_rate
-from peer.spec import RunSpec
+from swarmpipe.peer.model.bytegpt import PipelineStage, lm_loss
+from swarmpipe.peer.optim import build_optimizer, set_learning_rate
+from swarmpipe.peer.spec import RunSpec
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 Params = dict[str, torch.Tensor]

@@ -28,7 +28,7 @@ longer delays ``tau_k = max(1, P - 1 - k)``. Two corrections, both per stage:
   ``1 / (1 - beta1)`` grows in proportion to the stage's delay (last stage: beta1;
   stage 0 of P = 8 with beta1 = 0.99: 0.99857);
 * learning rate: ``lr_k(t) = lr(t) / tau_k ** (1 - min(t / T, 1))`` (see
-  :func:`peer.optim.set_learning_rate`): small steps for long-delay stages early,
+  :func:`swarmpipe.peer.optim.set_learning_rate`): small steps for long-delay stages early,
   the full rate once t reaches T = ``total_steps``.
 """
 from __future__ import annotations

@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from peer.launch import wait_for
+from swarmpipe.cli.launcher import wait_for
 from swarm_support import assert_trained, events_of, kill_tree, wait_step
 
 pytestmark = [pytest.mark.fault, pytest.mark.timeout(420)]

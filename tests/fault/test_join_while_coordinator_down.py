@@ -5,7 +5,7 @@ import time
 
 import pytest
 
-from peer.launch import read_json, wait_for
+from swarmpipe.cli.launcher import read_json, wait_for
 from swarm_support import assert_trained, events_of, kill_tree
 
 pytestmark = [pytest.mark.fault, pytest.mark.timeout(300)]

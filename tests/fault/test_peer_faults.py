@@ -12,8 +12,8 @@ import time
 
 import pytest
 
-from peer.launch import wait_for
-from peer.state_transfer import download_state
+from swarmpipe.cli.launcher import wait_for
+from swarmpipe.peer.stage.state_transfer import download_state
 from swarm_support import assert_trained, events_of, kill_tree, wait_step
 
 pytestmark = [pytest.mark.fault, pytest.mark.timeout(360)]

@@ -5,9 +5,9 @@ import grpc
 import pytest
 import torch
 
-from peer.records import WIRE_PROTOCOL
-from peer.wire import encode
-from protos import swarm_pb2, swarm_pb2_grpc
+from swarmpipe.peer.swarm.records import WIRE_PROTOCOL
+from swarmpipe.peer.transport.wire import encode
+from swarmpipe.protos import swarm_pb2, swarm_pb2_grpc
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 
@@ -111,8 +111,8 @@ def test_forged_record_cannot_replace_a_peers_announcement(swarm):
     from hivemind.utils import get_dht_time
     from hivemind.utils.crypto import RSAPrivateKey
 
-    from peer.records import stage_key
-    from peer.swarm_dht import SwarmDHT, start_dht
+    from swarmpipe.peer.swarm.records import stage_key
+    from swarmpipe.peer.swarm.dht import SwarmDHT, start_dht
 
     swarm.start_coordinator()
     info = swarm.wait_ready(swarm.start_peer(0))

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from peer.launch import wait_for
+from swarmpipe.cli.launcher import wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(420)]
 

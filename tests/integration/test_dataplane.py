@@ -8,13 +8,13 @@ import grpc
 import pytest
 import torch
 
-from peer.channels import ChannelPool
-from peer.metrics import PeerMetrics
-from peer.spec import LimitsSpec, ModelSpec, RunSpec
-from peer.stage_server import StageServicer, start_server
-from peer.streaming import StreamingCaller, data_frame_bytes, frames
-from peer.wire import decode, encode
-from protos import swarm_pb2
+from swarmpipe.peer.transport.channels import ChannelPool
+from swarmpipe.peer.stage.metrics import PeerMetrics
+from swarmpipe.peer.spec import LimitsSpec, ModelSpec, RunSpec
+from swarmpipe.peer.stage.server import StageServicer, start_server
+from swarmpipe.peer.transport.streaming import StreamingCaller, data_frame_bytes, frames
+from swarmpipe.peer.transport.wire import decode, encode
+from swarmpipe.protos import swarm_pb2
 
 pytestmark = pytest.mark.integration
 WIDTH = 64

@@ -8,9 +8,9 @@ import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
-from peer.launch import wait_for
-from peer.wire import encode
-from protos import swarm_pb2, swarm_pb2_grpc
+from swarmpipe.cli.launcher import wait_for
+from swarmpipe.peer.transport.wire import encode
+from swarmpipe.protos import swarm_pb2, swarm_pb2_grpc
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 

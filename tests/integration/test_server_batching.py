@@ -10,8 +10,8 @@ import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
-from peer.wire import decode, encode
-from protos import swarm_pb2, swarm_pb2_grpc
+from swarmpipe.peer.transport.wire import decode, encode
+from swarmpipe.protos import swarm_pb2, swarm_pb2_grpc
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 

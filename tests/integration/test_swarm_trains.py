@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from peer.launch import wait_for
+from swarmpipe.cli.launcher import wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 

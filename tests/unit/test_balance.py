@@ -1,4 +1,4 @@
-"""peer.balance: which stage a joining peer serves, and when a peer should move (hysteresis)."""
+"""swarmpipe.peer.swarm.balance: which stage a joining peer serves, and when a peer should move (hysteresis)."""
 from __future__ import annotations
 
 import random
@@ -6,8 +6,8 @@ from collections import Counter
 
 import pytest
 
-from peer.balance import NEW_PEER_THROUGHPUT, choose_stage, rebalance_target, stage_throughputs
-from peer.records import StageRecord
+from swarmpipe.peer.swarm.balance import NEW_PEER_THROUGHPUT, choose_stage, rebalance_target, stage_throughputs
+from swarmpipe.peer.swarm.records import StageRecord
 
 pytestmark = pytest.mark.unit
 

@@ -1,13 +1,13 @@
-"""peer.bootstrap: initial peers from flags or the shipped list, and which run to join."""
+"""swarmpipe.peer.swarm.bootstrap: initial peers from flags or the shipped list, and which run to join."""
 from __future__ import annotations
 
 from pathlib import Path
 
 import pytest
 
-from peer import bootstrap
-from peer.bootstrap import bootstrap_peers, neediest_run, resolve_initial_peers
-from peer.records import RunIndexRecord, StageRecord
+from swarmpipe.peer.swarm import bootstrap
+from swarmpipe.peer.swarm.bootstrap import bootstrap_peers, neediest_run, resolve_initial_peers
+from swarmpipe.peer.swarm.records import RunIndexRecord, StageRecord
 
 pytestmark = pytest.mark.unit
 

@@ -1,4 +1,4 @@
-"""peer.cli_args / peer.config / peer.cli: flag > env > config file > default, and the parser."""
+"""swarmpipe.cli.args / swarmpipe.peer.config / swarmpipe.cli.main: flag > env > config file > default, and the parser."""
 from __future__ import annotations
 
 import argparse
@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from peer import cli
-from peer.cli_args import ENV_PREFIX, _convert, add_dataclass_flags, env_name, resolve
-from peer.config import (
+from swarmpipe.cli import main as cli
+from swarmpipe.cli.args import ENV_PREFIX, _convert, add_dataclass_flags, env_name, resolve
+from swarmpipe.peer.config import (
     CommonConfig,
     CoordinatorConfig,
     DemoConfig,

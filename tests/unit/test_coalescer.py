@@ -1,4 +1,4 @@
-"""peer.coalescer: requests queued behind a busy compute thread run as one batch; a lone one runs at once."""
+"""swarmpipe.peer.stage.coalescer: requests queued behind a busy compute thread run as one batch; a lone one runs at once."""
 from __future__ import annotations
 
 import asyncio
@@ -8,7 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from peer.coalescer import Coalescer
+from swarmpipe.peer.stage.coalescer import Coalescer
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(30)]
 

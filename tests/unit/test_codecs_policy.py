@@ -1,11 +1,11 @@
-"""peer.codec_policy: codec choice follows measured bandwidth; error feedback removes the bias of 8-bit gradients."""
+"""swarmpipe.peer.transport.codec_policy: codec choice follows measured bandwidth; error feedback removes the bias of 8-bit gradients."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from peer.codec_policy import BandwidthMeter, CodecPolicy, ErrorFeedback
-from peer.wire import decode, encode
+from swarmpipe.peer.transport.codec_policy import BandwidthMeter, CodecPolicy, ErrorFeedback
+from swarmpipe.peer.transport.wire import decode, encode
 
 pytestmark = pytest.mark.unit
 

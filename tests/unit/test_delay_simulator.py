@@ -6,10 +6,10 @@ import dataclasses
 import pytest
 import torch
 
-from peer.model import PipelineStage, lm_loss
-from peer.optim import build_optimizer, set_learning_rate
-from peer.optim.delay_simulator import DelaySimulator, StageEvent, one_f_one_b_delays, simulate
-from peer.spec import ModelSpec, OptimizerSpec, RunSpec
+from swarmpipe.peer.model.bytegpt import PipelineStage, lm_loss
+from swarmpipe.peer.optim import build_optimizer, set_learning_rate
+from swarmpipe.peer.optim.delay_simulator import DelaySimulator, StageEvent, one_f_one_b_delays, simulate
+from swarmpipe.peer.spec import ModelSpec, OptimizerSpec, RunSpec
 
 pytestmark = pytest.mark.unit
 torch.set_num_threads(1)

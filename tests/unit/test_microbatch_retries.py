@@ -1,4 +1,4 @@
-"""peer.microbatch: what the trainer does with each kind of failed call (no sockets: fake calls)."""
+"""swarmpipe.peer.trainer.microbatch: what the trainer does with each kind of failed call (no sockets: fake calls)."""
 from __future__ import annotations
 
 import asyncio
@@ -6,12 +6,12 @@ import asyncio
 import grpc
 import pytest
 
-from peer.events import EventLog
-from peer.microbatch import MicrobatchRunner, Rejected
-from peer.records import StageRecord
-from peer.routing import Router
-from peer.spec import RunSpec
-from peer.trainer import Progress
+from swarmpipe.peer.events import EventLog
+from swarmpipe.peer.trainer.microbatch import MicrobatchRunner, Rejected
+from swarmpipe.peer.swarm.records import StageRecord
+from swarmpipe.peer.trainer.routing import Router
+from swarmpipe.peer.spec import RunSpec
+from swarmpipe.peer.trainer.trainer import Progress
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(30)]
 

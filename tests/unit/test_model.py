@@ -1,4 +1,4 @@
-"""peer.model: the pipeline split computes exactly what the whole model computes."""
+"""swarmpipe.peer.model.bytegpt: the pipeline split computes exactly what the whole model computes."""
 from __future__ import annotations
 
 import zlib
@@ -6,8 +6,8 @@ import zlib
 import pytest
 import torch
 
-from peer.model import ByteGPT, PipelineStage, build_stage, lm_loss
-from peer.spec import ModelSpec, RunSpec
+from swarmpipe.peer.model.bytegpt import ByteGPT, PipelineStage, build_stage, lm_loss
+from swarmpipe.peer.spec import ModelSpec, RunSpec
 
 pytestmark = pytest.mark.unit
 

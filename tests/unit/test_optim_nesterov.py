@@ -7,10 +7,10 @@ import math
 import pytest
 import torch
 
-from peer.model import PipelineStage, lm_loss
-from peer.optim import build_optimizer, set_learning_rate, stage_lr_factor
-from peer.optim.nesterov import PipelineNesterov, stage_beta1
-from peer.spec import ModelSpec, OptimizerSpec, RunSpec
+from swarmpipe.peer.model.bytegpt import PipelineStage, lm_loss
+from swarmpipe.peer.optim import build_optimizer, set_learning_rate, stage_lr_factor
+from swarmpipe.peer.optim.nesterov import PipelineNesterov, stage_beta1
+from swarmpipe.peer.spec import ModelSpec, OptimizerSpec, RunSpec
 
 pytestmark = pytest.mark.unit
 torch.set_num_threads(1)
@@ -81,7 +81,7 @@ def test_nostash_learning_rate_correction() -> None:
     opt = PipelineNesterov([p])
     lr = set_learning_rate(opt, spec, 50, 0, 4)
     assert opt.param_groups[0]["lr"] == lr
-    from peer.optim import scheduled_lr
+    from swarmpipe.peer.optim import scheduled_lr
     assert lr == pytest.approx(scheduled_lr(spec, 50) * 3**-0.5)
     # Stashing peers and other kinds get no correction; total_steps 0 falls back to a fixed horizon.
     assert stage_lr_factor(OptimizerSpec(kind="nesterov"), 0, 0, 4) == 1.0

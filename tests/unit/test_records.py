@@ -1,4 +1,4 @@
-"""peer.records: DHT records are validated on read; forged or malformed ones are dropped."""
+"""swarmpipe.peer.swarm.records: DHT records are validated on read; forged or malformed ones are dropped."""
 from __future__ import annotations
 
 import logging
@@ -6,7 +6,7 @@ import logging
 import pytest
 from hivemind.utils import ValueWithExpiration
 
-from peer.records import (
+from swarmpipe.peer.swarm.records import (
     RUNS_INDEX_KEY,
     WIRE_PROTOCOL,
     CheckpointRecord,
@@ -210,7 +210,7 @@ def test_stage_peers_skips_peers_of_another_wire_protocol(caplog: pytest.LogCapt
     and is logged once, not on every refresh."""
     import asyncio
 
-    from peer.swarm_dht import SwarmDHT
+    from swarmpipe.peer.swarm.dht import SwarmDHT
 
     items = {"peerA": {**GOOD_STAGE, "protocol": WIRE_PROTOCOL},
              "old-peer": GOOD_STAGE,

@@ -1,4 +1,4 @@
-"""peer.routing: replica choice by expected finish time, bans with backoff, membership."""
+"""swarmpipe.peer.trainer.routing: replica choice by expected finish time, bans with backoff, membership."""
 from __future__ import annotations
 
 import random
@@ -6,8 +6,8 @@ from collections import Counter
 
 import pytest
 
-from peer.records import StageRecord
-from peer.routing import BAN_BASE_S, BAN_MAX_S, EMA_DECAY, PROBE_AFTER_S, STALE_AFTER_S, STALE_HALF_LIFE_S, Router
+from swarmpipe.peer.swarm.records import StageRecord
+from swarmpipe.peer.trainer.routing import BAN_BASE_S, BAN_MAX_S, EMA_DECAY, PROBE_AFTER_S, STALE_AFTER_S, STALE_HALF_LIFE_S, Router
 
 pytestmark = pytest.mark.unit
 

@@ -1,4 +1,4 @@
-"""peer.spec: defaults, TOML loading with overrides, validation errors, dict round trip."""
+"""swarmpipe.peer.spec: defaults, TOML loading with overrides, validation errors, dict round trip."""
 from __future__ import annotations
 
 import dataclasses
@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from peer.spec import CODECS, SCHEMA_VERSION, RunSpec, SpecError, load_spec, spec_from_dict
+from swarmpipe.peer.spec import CODECS, SCHEMA_VERSION, RunSpec, SpecError, load_spec, spec_from_dict
 
 pytestmark = pytest.mark.unit
 

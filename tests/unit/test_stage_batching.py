@@ -1,11 +1,11 @@
-"""peer.stage_runtime batched calls: one forward / backward / forward+backward over several micro-batches
+"""swarmpipe.peer.stage.runtime batched calls: one forward / backward / forward+backward over several micro-batches
 gives exactly what separate calls give (input gradients, losses, and the update of accumulated gradients)."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from peer.stage_runtime import StageRuntime, UnknownMicrobatch
+from swarmpipe.peer.stage.runtime import StageRuntime, UnknownMicrobatch
 from test_stage_runtime import data, make_spec, runtime
 
 pytestmark = pytest.mark.unit

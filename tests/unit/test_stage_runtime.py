@@ -1,4 +1,4 @@
-"""peer.stage_runtime: exact pipeline gradients, weight stashing, staleness, bookkeeping."""
+"""swarmpipe.peer.stage.runtime: exact pipeline gradients, weight stashing, staleness, bookkeeping."""
 from __future__ import annotations
 
 import copy
@@ -8,9 +8,9 @@ import zlib
 import pytest
 import torch
 
-from peer.model import PipelineStage, lm_loss
-from peer.spec import ModelSpec, OptimizerSpec, RunSpec, UpdateSpec
-from peer.stage_runtime import StageRuntime, UnknownMicrobatch
+from swarmpipe.peer.model.bytegpt import PipelineStage, lm_loss
+from swarmpipe.peer.spec import ModelSpec, OptimizerSpec, RunSpec, UpdateSpec
+from swarmpipe.peer.stage.runtime import StageRuntime, UnknownMicrobatch
 
 pytestmark = pytest.mark.unit
 
@@ -280,7 +280,7 @@ def test_expire_by_version() -> None:
 
 def test_averaging_in_a_newer_replica_does_not_make_held_forwards_stale() -> None:
     """A version jump from averaging is not local updates: the delay clock is this runtime's own steps."""
-    from peer.stage_state import average_into, export_state
+    from swarmpipe.peer.stage.state import average_into, export_state
 
     spec = make_spec(2, lr=1e-3, max_staleness=2)
     rt, ahead = runtime(spec, 1), runtime(spec, 1)

@@ -6,10 +6,10 @@ import json
 import pytest
 import torch
 
-from coordinator.checkpoints import CheckpointStore
-from peer.spec import load_spec
-from peer.stage_runtime import StageRuntime
-from peer.stage_state import (
+from swarmpipe.coordinator.checkpoints import CheckpointStore
+from swarmpipe.peer.spec import load_spec
+from swarmpipe.peer.stage.runtime import StageRuntime
+from swarmpipe.peer.stage.state import (
     StageState,
     StateError,
     assemble,

@@ -1,4 +1,4 @@
-"""peer.streaming: framed round trips for every method and codec; cut-off, overrun, lying and oversized streams fail cleanly."""
+"""swarmpipe.peer.transport.streaming: framed round trips for every method and codec; cut-off, overrun, lying and oversized streams fail cleanly."""
 from __future__ import annotations
 
 import asyncio
@@ -6,9 +6,9 @@ import asyncio
 import pytest
 import torch
 
-from peer.streaming import METHODS, data_frame_bytes, frames, reassemble
-from peer.wire import WireError, decode, encode, raw_view
-from protos import swarm_pb2
+from swarmpipe.peer.transport.streaming import METHODS, data_frame_bytes, frames, reassemble
+from swarmpipe.peer.transport.wire import WireError, decode, encode, raw_view
+from swarmpipe.protos import swarm_pb2
 
 pytestmark = pytest.mark.unit
 CODECS = ("none", "fp16", "bf16", "uint8", "blockwise8")

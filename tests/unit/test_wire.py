@@ -1,4 +1,4 @@
-"""peer.wire: codec round trips with per-codec error bounds, and every validation error."""
+"""swarmpipe.peer.transport.wire: codec round trips with per-codec error bounds, and every validation error."""
 from __future__ import annotations
 
 import math
@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from peer.wire import (
+from swarmpipe.peer.transport.wire import (
     BLOCK_SIZE,
     CHUNK,
     DTYPES,
@@ -16,7 +16,7 @@ from peer.wire import (
     encoded_size,
     is_empty,
 )
-from protos import swarm_pb2
+from swarmpipe.protos import swarm_pb2
 
 pytestmark = pytest.mark.unit
 

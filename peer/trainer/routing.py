@@ -18,7 +18,7 @@ import random
 import time
 from dataclasses import dataclass, field
 
-from peer.records import StageRecord
+from swarmpipe.peer.swarm.records import StageRecord
 
 BAN_BASE_S = 2.0
 BAN_MAX_S = 60.0

@@ -14,8 +14,8 @@ from typing import Any, Iterable
 
 import torch
 
-from peer.wire import decode, encode
-from protos import swarm_pb2
+from swarmpipe.peer.transport.wire import decode, encode
+from swarmpipe.protos import swarm_pb2
 
 
 class StateError(ValueError):

@@ -7,9 +7,9 @@ import time
 import urllib.request
 from typing import Any
 
-from peer.bootstrap import resolve_initial_peers
-from peer.config import StatusConfig
-from peer.swarm_dht import SwarmDHT, start_dht
+from swarmpipe.peer.swarm.bootstrap import resolve_initial_peers
+from swarmpipe.peer.config import StatusConfig
+from swarmpipe.peer.swarm.dht import SwarmDHT, start_dht
 
 
 async def _read_dht(cfg: StatusConfig) -> list[dict[str, Any]]:

@@ -20,9 +20,9 @@ from dataclasses import dataclass, field
 import torch
 from torch.func import functional_call
 
-from peer.model import build_stage, lm_loss
-from peer.optim import build_optimizer, set_learning_rate
-from peer.spec import RunSpec
+from swarmpipe.peer.model.bytegpt import build_stage, lm_loss
+from swarmpipe.peer.optim import build_optimizer, set_learning_rate
+from swarmpipe.peer.spec import RunSpec
 
 
 def concat_rows(tensors: list[torch.Tensor]) -> tuple[torch.Tensor, list[slice]]:

@@ -18,14 +18,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from peer.bootstrap import resolve_initial_peers
-from peer.config import TrainerConfig
-from peer.data import BatchSampler, CorpusSplit, load_corpus
-from peer.events import EventLog
-from peer.microbatch import MicrobatchRunner
-from peer.records import TrainerRecord, now
-from peer.routing import Router
-from peer.swarm_dht import SwarmDHT, reconnect_bootstrap, start_dht
+from swarmpipe.peer.swarm.bootstrap import resolve_initial_peers
+from swarmpipe.peer.config import TrainerConfig
+from swarmpipe.peer.trainer.data import BatchSampler, CorpusSplit, load_corpus
+from swarmpipe.peer.events import EventLog
+from swarmpipe.peer.trainer.microbatch import MicrobatchRunner
+from swarmpipe.peer.swarm.records import TrainerRecord, now
+from swarmpipe.peer.trainer.routing import Router
+from swarmpipe.peer.swarm.dht import SwarmDHT, reconnect_bootstrap, start_dht
 
 log = logging.getLogger("swarmpipe.trainer")
 REFRESH_PERIOD_S = 2.0

@@ -7,7 +7,7 @@ the cap and every buffer stays small. (Every gRPC message is one more round thro
 loops; a 1 MiB tensor goes in a single frame.) The receiver checks the total against
 ``max_total_bytes``, keeps a tensor that came whole in one frame as a view of it, copies one
 spread over several frames into a buffer of its own, and decodes without a further copy
-(``peer.wire.decode`` reads a :class:`TensorView` like a ``swarm_pb2.Tensor``).
+(``swarmpipe.peer.transport.wire.decode`` reads a :class:`TensorView` like a ``swarm_pb2.Tensor``).
 A stream that ends early, overruns, or lies about its sizes raises :class:`WireError`.
 """
 from __future__ import annotations
@@ -17,8 +17,8 @@ from typing import AsyncIterator, Iterable, Iterator
 
 import grpc
 
-from peer.wire import WireError
-from protos import swarm_pb2
+from swarmpipe.peer.transport.wire import WireError
+from swarmpipe.protos import swarm_pb2
 
 # method -> (request class, response class, request tensor fields, response tensor fields)
 METHODS = {

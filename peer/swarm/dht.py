@@ -15,7 +15,7 @@ from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.utils import get_dht_time
 from hivemind.utils.crypto import RSAPrivateKey
 
-from peer.records import (
+from swarmpipe.peer.swarm.records import (
     RUNS_INDEX_KEY,
     WIRE_PROTOCOL,
     CheckpointRecord,
@@ -29,7 +29,7 @@ from peer.records import (
     stage_key,
     trainer_key,
 )
-from peer.spec import RunSpec, SpecError, spec_from_dict
+from swarmpipe.peer.spec import RunSpec, SpecError, spec_from_dict
 
 log = logging.getLogger("swarmpipe.dht")
 DHT_TIMEOUT_S = 10.0

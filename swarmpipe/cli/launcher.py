@@ -1,6 +1,6 @@
 """Start swarmpipe roles as real subprocesses and stop them for sure (demo and tests).
 
-Each role runs as ``python -m peer.cli <role> ...`` in its own process group
+Each role runs as ``python -m swarmpipe.cli.main <role> ...`` in its own process group
 with its output in a log file; :class:`ProcessGroup` kills everything it
 started, also when the caller is interrupted.
 """
@@ -51,7 +51,7 @@ class ProcessGroup:
         log_path = self.workdir / f"{name}.log"
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **self.env, **(extra_env or {})}
         with open(log_path, "ab") as log:
-            proc = subprocess.Popen([sys.executable, "-m", "peer.cli", role, *args], stdout=log, stderr=subprocess.STDOUT,
+            proc = subprocess.Popen([sys.executable, "-m", "swarmpipe.cli.main", role, *args], stdout=log, stderr=subprocess.STDOUT,
                                     stdin=subprocess.DEVNULL, env=env, start_new_session=True)
         launched = Launched(name, proc, log_path)
         self.procs.append(launched)

@@ -23,9 +23,9 @@ import hivemind
 import torch
 from hivemind.utils import get_dht_time
 
-from peer.events import EventLog
-from peer.stage_runtime import StageRuntime
-from peer.swarm_dht import SwarmDHT
+from swarmpipe.peer.events import EventLog
+from swarmpipe.peer.stage.runtime import StageRuntime
+from swarmpipe.peer.swarm.dht import SwarmDHT
 
 log = logging.getLogger("swarmpipe.averaging")
 MATCHMAKING_S = 3.0

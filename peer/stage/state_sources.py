@@ -6,11 +6,11 @@ import logging
 import os
 from concurrent.futures import Executor
 
-from peer.events import EventLog
-from peer.stage_runtime import StageRuntime
-from peer.stage_state import StateError, export_state, import_state
-from peer.state_transfer import download_state, push_state
-from peer.swarm_dht import SwarmDHT
+from swarmpipe.peer.events import EventLog
+from swarmpipe.peer.stage.runtime import StageRuntime
+from swarmpipe.peer.stage.state import StateError, export_state, import_state
+from swarmpipe.peer.stage.state_transfer import download_state, push_state
+from swarmpipe.peer.swarm.dht import SwarmDHT
 
 MAX_DONORS = 4
 

@@ -1,7 +1,7 @@
 """Rebalancing: a peer moves to the slowest stage when that clearly raises the pipeline's throughput.
 
 Every randomized period (so peers do not decide in lockstep), a peer reads every
-stage's total throughput; :func:`peer.balance.rebalance_target` applies the
+stage's total throughput; :func:`swarmpipe.peer.swarm.balance.rebalance_target` applies the
 hysteresis. A move: announce ``joining`` on the target stage at once (so other
 peers count us there and do not pile on), load the target's state while still
 serving the old stage, then drain the old stage, hand its state to a replica,
@@ -13,9 +13,9 @@ import asyncio
 import logging
 import random
 
-from peer.balance import rebalance_target, stage_cost
-from peer.stage_runtime import StageRuntime
-from peer.state_sources import hand_off_state, load_initial_state
+from swarmpipe.peer.swarm.balance import rebalance_target, stage_cost
+from swarmpipe.peer.stage.runtime import StageRuntime
+from swarmpipe.peer.stage.state_sources import hand_off_state, load_initial_state
 
 log = logging.getLogger("swarmpipe.rebalance")
 COOLDOWN_PERIODS = 4

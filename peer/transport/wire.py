@@ -17,7 +17,7 @@ import warnings
 
 import torch
 
-from protos import swarm_pb2
+from swarmpipe.protos import swarm_pb2
 
 # torch.frombuffer over an immutable ``bytes`` warns; decoded tensors are treated as read-only.
 warnings.filterwarnings("ignore", message="The given buffer is not writable")

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from peer.spec import ModelSpec, RunSpec
+from swarmpipe.peer.spec import ModelSpec, RunSpec
 
 EMBEDDING_SEED_OFFSET = 10_000
 HEAD_SEED_OFFSET = 20_000

@@ -9,8 +9,8 @@ import asyncio
 import sys
 from typing import Any, Callable
 
-from peer.cli_args import add_dataclass_flags, resolve
-from peer.config import (
+from swarmpipe.cli.args import add_dataclass_flags, resolve
+from swarmpipe.peer.config import (
     CoordinatorConfig,
     DemoConfig,
     HealthcheckConfig,
@@ -18,7 +18,7 @@ from peer.config import (
     StatusConfig,
     TrainerConfig,
 )
-from peer.events import setup_logging
+from swarmpipe.peer.events import setup_logging
 
 
 def run_async(coro_factory: Callable[[], Any]) -> Any:
@@ -31,33 +31,33 @@ def run_async(coro_factory: Callable[[], Any]) -> Any:
 
 
 def cmd_peer(cfg: PeerConfig) -> int:
-    from peer.peer_daemon import PeerDaemon
+    from swarmpipe.peer.stage.daemon import PeerDaemon
     return run_async(lambda: PeerDaemon(cfg).run())
 
 
 def cmd_train(cfg: TrainerConfig) -> int:
-    from peer.trainer import Trainer
+    from swarmpipe.peer.trainer.trainer import Trainer
     report = run_async(lambda: Trainer(cfg).run())
     return 0 if report.get("microbatches_lost", 0) == 0 else 3
 
 
 def cmd_coordinator(cfg: CoordinatorConfig) -> int:
-    from coordinator.service import Coordinator
+    from swarmpipe.coordinator.service import Coordinator
     return run_async(lambda: Coordinator(cfg).run())
 
 
 def cmd_demo(cfg: DemoConfig) -> int:
-    from peer.demo import run_demo
+    from swarmpipe.cli.demo import run_demo
     return run_demo(cfg)
 
 
 def cmd_status(cfg: StatusConfig) -> int:
-    from peer.status import run_status
+    from swarmpipe.cli.status import run_status
     return run_status(cfg)
 
 
 def cmd_healthcheck(cfg: HealthcheckConfig) -> int:
-    from peer.healthcheck import run_healthcheck
+    from swarmpipe.cli.healthcheck import run_healthcheck
     return run_healthcheck(cfg)
 
 

@@ -20,16 +20,16 @@ from typing import Any, Awaitable, Callable
 import grpc
 import torch
 
-from peer.channels import server_options, tune_allocator
-from peer.coalescer import Coalescer
-from peer.metrics import PeerMetrics
-from peer.records import WIRE_PROTOCOL
-from peer.stage_state import StageState, average_into, export_state, to_chunks
-from peer.state_transfer import receive_pushed
-from peer.stage_runtime import BackwardResult, StageRuntime, UnknownMicrobatch
-from peer.streaming import METHODS as STREAM_METHODS, TensorView, frames, reassemble
-from peer.wire import WireError, decode, encode, encode_parts, is_empty
-from protos import swarm_pb2, swarm_pb2_grpc
+from swarmpipe.peer.transport.channels import server_options, tune_allocator
+from swarmpipe.peer.stage.coalescer import Coalescer
+from swarmpipe.peer.stage.metrics import PeerMetrics
+from swarmpipe.peer.swarm.records import WIRE_PROTOCOL
+from swarmpipe.peer.stage.state import StageState, average_into, export_state, to_chunks
+from swarmpipe.peer.stage.state_transfer import receive_pushed
+from swarmpipe.peer.stage.runtime import BackwardResult, StageRuntime, UnknownMicrobatch
+from swarmpipe.peer.transport.streaming import METHODS as STREAM_METHODS, TensorView, frames, reassemble
+from swarmpipe.peer.transport.wire import WireError, decode, encode, encode_parts, is_empty
+from swarmpipe.protos import swarm_pb2, swarm_pb2_grpc
 
 log = logging.getLogger("swarmpipe.server")
 MAX_MICROBATCH_ID = 128

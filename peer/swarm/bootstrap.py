@@ -3,13 +3,13 @@ from __future__ import annotations
 
 from importlib import resources
 
-from peer.records import RunIndexRecord, StageRecord
+from swarmpipe.peer.swarm.records import RunIndexRecord, StageRecord
 
 
 def bootstrap_peers(swarm: str) -> list[str]:
     """The shipped bootstrap list of a named swarm (``peer/bootstrap/<swarm>.txt``)."""
     try:
-        text = resources.files("peer").joinpath("bootstrap", f"{swarm}.txt").read_text()
+        text = resources.files(__package__).joinpath("bootstrap", f"{swarm}.txt").read_text()
     except (FileNotFoundError, OSError):
         raise ValueError(f"no bootstrap list is shipped for swarm {swarm!r}; pass --initial-peers") from None
     return [line.strip() for line in text.splitlines() if line.strip() and not line.lstrip().startswith("#")]

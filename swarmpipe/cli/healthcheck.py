@@ -7,8 +7,8 @@ import urllib.request
 
 import grpc
 
-from peer.config import HealthcheckConfig
-from protos import swarm_pb2, swarm_pb2_grpc
+from swarmpipe.peer.config import HealthcheckConfig
+from swarmpipe.protos import swarm_pb2, swarm_pb2_grpc
 
 
 async def _grpc_info(address: str, timeout: float) -> swarm_pb2.InfoResponse:

@@ -16,9 +16,9 @@ from typing import Callable
 
 import grpc
 
-from peer.channels import channel_options
-from peer.stage_state import StageState, StateError, assemble, from_chunks, to_chunks
-from protos import swarm_pb2, swarm_pb2_grpc
+from swarmpipe.peer.transport.channels import channel_options
+from swarmpipe.peer.stage.state import StageState, StateError, assemble, from_chunks, to_chunks
+from swarmpipe.protos import swarm_pb2, swarm_pb2_grpc
 
 log = logging.getLogger("swarmpipe.state")
 TRANSFER_TIMEOUT_S = 120.0

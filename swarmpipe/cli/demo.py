@@ -5,8 +5,8 @@ import json
 import time
 from pathlib import Path
 
-from peer.config import DemoConfig
-from peer.launch import ProcessGroup, coordinator_http_url, read_json, wait_for
+from swarmpipe.peer.config import DemoConfig
+from swarmpipe.cli.launcher import ProcessGroup, coordinator_http_url, read_json, wait_for
 
 
 def _tail_progress(events_path: Path, offset: int) -> tuple[dict | None, int]:
@@ -39,7 +39,7 @@ def run_demo(cfg: DemoConfig) -> int:
     started = time.monotonic()
     try:
         coord_args = ["--run-id", "demo", "--num-stages", str(cfg.num_stages), "--http-port", str(cfg.http_port),
-                      "--peers-file", str(workdir / "initial_peers.txt"), "--identity", str(workdir / "coordinator.key"),
+                      "--peers-file", str(workdir / "initial_peers.txt"), "--identity", str(workdir / "swarmpipe.coordinator.key"),
                       "--checkpoint-dir", str(workdir / "checkpoints"), "--event-log", str(events)]
         if cfg.spec:
             coord_args += ["--spec", cfg.spec]

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from peer.wire import decode, encode
+from swarmpipe.peer.transport.wire import decode, encode
 
 # Bytes on the wire per float32 byte, and encode+decode speed (GB/s of float32 input) on one
 # core, measured by bench/codecs.py on the development machine (conservative round numbers).

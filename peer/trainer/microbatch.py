@@ -20,14 +20,14 @@ from typing import Awaitable, Callable
 import grpc
 import torch
 
-from peer.channels import ChannelPool
-from peer.codec_policy import CodecPolicy, ErrorFeedback
-from peer.events import EventLog, short_id
-from peer.routing import PeerView, Router
-from peer.spec import RunSpec
-from peer.streaming import StreamingCaller
-from peer.wire import WireError, decode, encode, encode_parts
-from protos import swarm_pb2
+from swarmpipe.peer.transport.channels import ChannelPool
+from swarmpipe.peer.transport.codec_policy import CodecPolicy, ErrorFeedback
+from swarmpipe.peer.events import EventLog, short_id
+from swarmpipe.peer.trainer.routing import PeerView, Router
+from swarmpipe.peer.spec import RunSpec
+from swarmpipe.peer.transport.streaming import StreamingCaller
+from swarmpipe.peer.transport.wire import WireError, decode, encode, encode_parts
+from swarmpipe.protos import swarm_pb2
 
 log = logging.getLogger("swarmpipe.trainer")
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 import random
 from typing import Callable
 
-from peer.records import StageRecord
-from peer.spec import RunSpec
+from swarmpipe.peer.swarm.records import StageRecord
+from swarmpipe.peer.spec import RunSpec
 
 NEW_PEER_THROUGHPUT = 1.0  # a replica that has not measured yet still counts for something
 

@@ -7,7 +7,7 @@ import logging
 
 import grpc
 
-from protos import swarm_pb2_grpc
+from swarmpipe.protos import swarm_pb2_grpc
 
 MB = 1024 * 1024
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3

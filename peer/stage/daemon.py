@@ -9,18 +9,18 @@ import signal
 
 import torch
 
-from peer.averaging import ReplicaAverager
-from peer.balance import choose_stage
-from peer.bootstrap import neediest_run, resolve_initial_peers
-from peer.config import PeerConfig
-from peer.events import EventLog
-from peer.metrics import PeerMetrics
-from peer.records import WIRE_PROTOCOL, StageRecord, now
-from peer.stage_runtime import StageRuntime
-from peer.state_sources import hand_off_state, load_initial_state
-from peer.rebalancer import Rebalancer
-from peer.stage_server import StageServicer, start_server
-from peer.swarm_dht import SwarmDHT, reconnect_bootstrap, start_dht
+from swarmpipe.peer.stage.averaging import ReplicaAverager
+from swarmpipe.peer.swarm.balance import choose_stage
+from swarmpipe.peer.swarm.bootstrap import neediest_run, resolve_initial_peers
+from swarmpipe.peer.config import PeerConfig
+from swarmpipe.peer.events import EventLog
+from swarmpipe.peer.stage.metrics import PeerMetrics
+from swarmpipe.peer.swarm.records import WIRE_PROTOCOL, StageRecord, now
+from swarmpipe.peer.stage.runtime import StageRuntime
+from swarmpipe.peer.stage.state_sources import hand_off_state, load_initial_state
+from swarmpipe.peer.stage.rebalancer import Rebalancer
+from swarmpipe.peer.stage.server import StageServicer, start_server
+from swarmpipe.peer.swarm.dht import SwarmDHT, reconnect_bootstrap, start_dht
 
 log = logging.getLogger("swarmpipe.peer")
 MIN_RECORD_TTL_S = 10.0
