@@ -30,7 +30,7 @@ from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.pipeline import LocalSwarm, summarize, write_results  # noqa: E402
-from swarmpipe.peer.spec import CODECS  # noqa: E402
+from swarmpipe.peer.transport.codecs import allowed_in_spec  # noqa: E402
 from swarmpipe.peer.transport.wire import encoded_size  # noqa: E402
 
 import torch  # noqa: E402
@@ -113,7 +113,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rate", default="25mbit", help="25mbit: on the loaded 2-core VM, 100mbit left the 8-bit codecs compute-bound")
     ap.add_argument("--delay", default="20ms", help="one way, on each end (round trip = 2x)")
-    ap.add_argument("--codecs", nargs="+", default=[c for c in ("none", "fp16", "uint8", "blockwise8", "auto") if c in CODECS])
+    ap.add_argument("--codecs", nargs="+", default=[c for c in ("none", "fp16", "uint8", "blockwise8", "auto") if c in allowed_in_spec("activations")])
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--d-model", type=int, default=64)
     ap.add_argument("--seq-len", type=int, default=128)

@@ -12,8 +12,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from swarmpipe.peer.transport import codecs
+
 SCHEMA_VERSION = 1
-CODECS = ("none", "fp16", "bf16", "uint8", "blockwise8", "auto")  # auto: chosen per hop from measured bandwidth
 
 
 class SpecError(ValueError):
@@ -64,6 +65,8 @@ class BatchingSpec:
 
 @dataclass
 class CompressionSpec:
+    """Codec per tensor role, by name from peer/transport/codecs.py; "auto" (activations, gradients)
+    lets each link choose from the bandwidth it measures."""
     activations: str = "fp16"
     gradients: str = "fp16"
     state: str = "none"
@@ -116,10 +119,10 @@ class RunSpec:
         counts = self.blocks_per_stage()
         if len(counts) != self.num_stages or sum(counts) != m.n_layers or min(counts) < 0:
             raise SpecError(f"layer_split {counts} does not split {m.n_layers} blocks into {self.num_stages} stages")
-        for role in ("activations", "gradients", "state"):
-            codec = getattr(self.compression, role)
-            if codec not in CODECS:
-                raise SpecError(f"unknown codec {codec!r} for {role}; known: {', '.join(CODECS)}")
+        for role in codecs.ROLES:
+            codec, allowed = getattr(self.compression, role), codecs.allowed_in_spec(role)
+            if codec not in allowed:
+                raise SpecError(f"codec {codec!r} cannot be used for {role}; allowed: {', '.join(allowed)}")
         if self.optimizer.kind not in ("adamw", "nesterov", "basis_rotation"):
             raise SpecError(f"unknown optimizer kind {self.optimizer.kind!r}")
         if self.microbatch_size < 1 or self.update.step_every < 1:

@@ -28,6 +28,7 @@ from swarmpipe.peer.stage.state import StageState, average_into, export_state, t
 from swarmpipe.peer.stage.state_transfer import receive_pushed
 from swarmpipe.peer.stage.runtime import BackwardResult, StageRuntime, UnknownMicrobatch
 from swarmpipe.peer.transport.streaming import METHODS as STREAM_METHODS, TensorView, frames, reassemble
+from swarmpipe.peer.transport import codecs
 from swarmpipe.peer.transport.wire import WireError, decode, encode, encode_parts, is_empty
 from swarmpipe.protos import swarm_pb2, swarm_pb2_grpc
 
@@ -121,13 +122,19 @@ class StageServicer(swarm_pb2_grpc.StageServicer):
             nbytes = len(msg.data) if isinstance(msg, TensorView) else msg.ByteSize()
         (self.metrics.bytes_in if incoming else self.metrics.bytes_out).labels(msg.codec or "none").inc(nbytes)
 
-    def _encode(self, t: torch.Tensor, codec: str, default: str, sink: dict | None = None,
-                field: str = "") -> swarm_pb2.Tensor:
-        """The reply tensor. With a ``sink`` (a streamed reply) its bytes go there as a buffer and the
-        message carries only shape, dtype and codec: the frames are cut from the buffer directly."""
-        codec = codec or default
-        if codec == "auto":  # "auto" is chosen by the caller per hop; a caller that did not choose gets fp16
-            codec = "fp16"
+    @staticmethod
+    def _reply_codec(requested: str, default: str) -> str:
+        """The codec a reply goes out in, checked before any work: "" takes the stage's default, and
+        "auto" (chosen per link by the caller; one that did not choose) becomes fp16."""
+        try:
+            return codecs.resolve(requested or default)
+        except codecs.CodecError as e:
+            raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, f"reply_codec: {e}") from None
+
+    def _encode(self, t: torch.Tensor, codec: str, sink: dict | None = None, field: str = "") -> swarm_pb2.Tensor:
+        """The reply tensor in ``codec`` (from :meth:`_reply_codec`). With a ``sink`` (a streamed reply) its
+        bytes go there as a buffer and the message carries only shape, dtype and codec: the frames are cut
+        from the buffer directly."""
         if sink is None:
             msg = encode(t, codec)
             self._count_bytes(msg, incoming=False)
@@ -222,13 +229,14 @@ class StageServicer(swarm_pb2_grpc.StageServicer):
             self._require_accepting()
             if self.runtime.is_last:
                 raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, "the last stage takes ForwardBackward, not Forward")
+            reply_codec = self._reply_codec(request.reply_codec, self.spec.compression.activations)
             self._count_bytes(request.input, incoming=True)
             x = self._decode_input(request.input)
             mb = request.microbatch_id
             out, siblings = await self._queued(
                 "forward", lambda: self.forwards.submit((mb, x), key=(tuple(x.shape[1:]), x.dtype)))
             self._remember_siblings(mb, siblings)
-            output = self._encode(out, request.reply_codec, self.spec.compression.activations, sink, "output")
+            output = self._encode(out, reply_codec, sink, "output")
             return swarm_pb2.ForwardResponse(output=output, version=self.runtime.version)
         return await self._serve("forward", context, handle)
 
@@ -238,6 +246,7 @@ class StageServicer(swarm_pb2_grpc.StageServicer):
             self._check_header(request.run_id, request.stage, request.microbatch_id)
             if self.runtime.is_last:
                 raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, "the last stage takes ForwardBackward, not Backward")
+            reply_codec = self._reply_codec(request.reply_codec, self.spec.compression.gradients)
             self._count_bytes(request.grad_output, incoming=True)
             grad = self._decode_grad(request.grad_output)
             if request.replay:
@@ -254,8 +263,7 @@ class StageServicer(swarm_pb2_grpc.StageServicer):
             response = swarm_pb2.BackwardResponse(version=self.runtime.version, delay=result.delay,
                                                   applied=result.applied, dropped_reason=result.dropped_reason)
             if result.grad_input is not None:
-                response.grad_input.CopyFrom(self._encode(result.grad_input, request.reply_codec,
-                                                          self.spec.compression.gradients, sink, "grad_input"))
+                response.grad_input.CopyFrom(self._encode(result.grad_input, reply_codec, sink, "grad_input"))
             return response
         return await self._serve("backward", context, handle)
 
@@ -266,6 +274,7 @@ class StageServicer(swarm_pb2_grpc.StageServicer):
             self._require_accepting()
             if not self.runtime.is_last:
                 raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, f"ForwardBackward is for the last stage; this peer serves stage {self.runtime.stage}")
+            reply_codec = self._reply_codec(request.reply_codec, self.spec.compression.gradients)
             self._count_bytes(request.input, incoming=True)
             x = self._decode_input(request.input)
             targets = decode(request.targets, max_elements=self.spec.limits.max_tensor_elements, allowed_dtypes=("int64",),
@@ -276,8 +285,7 @@ class StageServicer(swarm_pb2_grpc.StageServicer):
             response = swarm_pb2.ForwardBackwardResponse(loss=result.loss or 0.0, version=self.runtime.version,
                                                          applied=result.applied, dropped_reason=result.dropped_reason)
             if result.grad_input is not None:
-                response.grad_input.CopyFrom(self._encode(result.grad_input, request.reply_codec,
-                                                          self.spec.compression.gradients, sink, "grad_input"))
+                response.grad_input.CopyFrom(self._encode(result.grad_input, reply_codec, sink, "grad_input"))
             return response
         return await self._serve("forward_backward", context, handle)
 

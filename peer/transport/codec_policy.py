@@ -18,17 +18,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from swarmpipe.peer.transport import codecs
 from swarmpipe.peer.transport.wire import decode, encode
 
-# Bytes on the wire per float32 byte, and encode+decode speed (GB/s of float32 input) on one
-# core, measured by bench/codecs.py on the development machine (conservative round numbers).
-WIRE_RATIO = {"none": 1.0, "fp16": 0.5, "bf16": 0.5, "uint8": 0.25, "blockwise8": 0.25 + 1 / 1024}
-CODEC_GBPS = {"none": 4.0, "fp16": 2.0, "bf16": 3.0, "uint8": 1.2, "blockwise8": 1.0}
-ROLE_CANDIDATES = {
-    "activations": ("fp16", "blockwise8", "none"),
-    "gradients": ("fp16", "blockwise8", "none"),  # blockwise8 with error feedback
-    "state": ("none", "fp16"),
-}
 DEFAULT_BANDWIDTH = 100e6 / 8  # before any measurement: assume a 100 Mbit/s volunteer link
 
 
@@ -52,16 +44,18 @@ class BandwidthMeter:
 @dataclass
 class CodecPolicy:
     meter: BandwidthMeter = field(default_factory=BandwidthMeter)
-    codec_gbps: dict[str, float] = field(default_factory=lambda: dict(CODEC_GBPS))
+    codec_gbps: dict[str, float] = field(default_factory=lambda: {c.name: c.gbps for c in codecs.REGISTRY.values()})
 
     def cost(self, codec: str, nbytes: int, bandwidth: float) -> float:
-        return nbytes * WIRE_RATIO[codec] / bandwidth + nbytes / (self.codec_gbps[codec] * 1e9)
+        wire_ratio = codecs.get(codec).wire_ratio()
+        return nbytes * wire_ratio / bandwidth + nbytes / (self.codec_gbps[codec] * 1e9)
 
     def choose(self, role: str, configured: str, address: str, nbytes: int) -> str:
-        if configured != "auto":
+        """The configured codec, or for "auto" the cheapest candidate for ``role`` on this link."""
+        if configured != codecs.AUTO:
             return configured
         bw = self.meter.bandwidth(address)
-        return min(ROLE_CANDIDATES[role], key=lambda c: self.cost(c, nbytes, bw))
+        return min(codecs.auto_candidates(role), key=lambda c: self.cost(c, nbytes, bw))
 
     def timed(self, address: str):
         """``with policy.timed(addr) as t: ...; t.nbytes = sent + received`` records one observation."""
@@ -84,15 +78,13 @@ class _Timed:
 class ErrorFeedback:
     """Per-key residuals of lossy encodings (bounded number of keys; oldest dropped first)."""
 
-    LOSSLESS = ("none",)
-
     def __init__(self, max_keys: int = 64):
         self.max_keys = max_keys
         self.residuals: dict[object, torch.Tensor] = {}
 
     def encode(self, key, t: torch.Tensor, codec: str):
         """Encode ``t`` plus the carried residual; keep what the codec lost for next time."""
-        if codec in self.LOSSLESS or not t.is_floating_point():
+        if not codecs.get(codec).lossy or not t.is_floating_point():
             self.residuals.pop(key, None)
             return encode(t, codec)
         target = t.float()

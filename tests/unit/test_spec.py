@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from swarmpipe.peer.spec import CODECS, SCHEMA_VERSION, RunSpec, SpecError, load_spec, spec_from_dict
+from swarmpipe.peer.transport import codecs
+from swarmpipe.peer.spec import SCHEMA_VERSION, RunSpec, SpecError, load_spec, spec_from_dict
 
 pytestmark = pytest.mark.unit
 
@@ -134,8 +135,22 @@ def test_unknown_codec(role: str) -> None:
     with pytest.raises(SpecError) as info:
         spec_from_dict({"compression": {role: "zstd"}})
     message = str(info.value)
-    assert "unknown codec 'zstd'" in message and role in message
-    assert all(codec in message for codec in CODECS)
+    assert "codec 'zstd' cannot be used" in message and role in message
+    assert all(codec in message for codec in codecs.allowed_in_spec(role))
+
+
+def test_state_codec_cannot_be_auto() -> None:
+    """State moves once per join over DownloadState, with no link measurement to choose from: "auto"
+    there used to pass validation and make every donor's export fail, so joiners fell back to the seed."""
+    with pytest.raises(SpecError, match="'auto' cannot be used for state"):
+        spec_from_dict({"compression": {"state": "auto"}})
+    for role in ("activations", "gradients"):
+        assert getattr(spec_from_dict({"compression": {role: "auto"}}).compression, role) == "auto"
+
+
+def test_every_registered_codec_is_valid_in_the_spec() -> None:
+    for name in codecs.REGISTRY:
+        spec_from_dict({"compression": {"activations": name, "gradients": name, "state": name}})
 
 
 def test_unknown_optimizer_kind() -> None:

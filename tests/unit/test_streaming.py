@@ -7,11 +7,12 @@ import pytest
 import torch
 
 from swarmpipe.peer.transport.streaming import METHODS, data_frame_bytes, frames, reassemble
+from swarmpipe.peer.transport.codecs import REGISTRY
 from swarmpipe.peer.transport.wire import WireError, decode, encode, raw_view
 from swarmpipe.protos import swarm_pb2
 
 pytestmark = pytest.mark.unit
-CODECS = ("none", "fp16", "bf16", "uint8", "blockwise8")
+CODECS = tuple(REGISTRY)
 
 
 async def _aiter(items):

@@ -16,11 +16,12 @@ from swarmpipe.peer.transport.wire import (
     encoded_size,
     is_empty,
 )
+from swarmpipe.peer.transport.codecs import REGISTRY
 from swarmpipe.protos import swarm_pb2
 
 pytestmark = pytest.mark.unit
 
-CODECS = ("none", "fp16", "bf16", "uint8", "blockwise8")
+CODECS = tuple(REGISTRY)
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 SHAPES = [(0,), (2, 0, 3), (1,), (7,), (3, 5, 7), (BLOCK_SIZE,), (BLOCK_SIZE + 1,), (2, BLOCK_SIZE + 3), (3, 1000)]
 # unit roundoff of each dtype (round to nearest): the decoded value is cast back to it
