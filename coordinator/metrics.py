@@ -16,8 +16,10 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from swarmpipe.peer.swarm.records import PeerState
+
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
-PEER_STATES = ("joining", "online", "draining")
+PEER_STATES = tuple(state.value for state in PeerState)
 TRAINER_COUNTERS = {
     "microbatches_completed": "Micro-batches whose backward reached stage 0, summed over trainers",
     "microbatches_retried": "Micro-batch calls retried on another replica, summed over trainers",

@@ -22,7 +22,7 @@ from swarmpipe.coordinator.http import SwarmHttpServer
 from swarmpipe.peer.transport.channels import server_options
 from swarmpipe.peer.config import CoordinatorConfig
 from swarmpipe.peer.events import EventLog
-from swarmpipe.peer.swarm.records import CheckpointRecord, RunIndexRecord, now
+from swarmpipe.peer.swarm.records import CheckpointRecord, PeerState, RunIndexRecord, now
 from swarmpipe.peer.spec import RunSpec, load_spec
 from swarmpipe.peer.stage.state import StateError
 from swarmpipe.peer.stage.state_transfer import download_state
@@ -157,7 +157,7 @@ class Coordinator:
         """Pull every stage from its most advanced online replica and write one checkpoint."""
         states = {}
         for stage, peers in enumerate(await self.swarm.all_stages(self.spec.num_stages)):
-            online = sorted((r for r in peers.values() if r.state == "online"), key=lambda r: -r.version)
+            online = sorted((r for r in peers.values() if r.state is PeerState.ONLINE), key=lambda r: -r.version)
             saved = ((self.last_checkpoint or {}).get("stages") or {}).get(str(stage), {}).get("version", -1)
             if online and online[0].version <= saved:
                 continue  # nothing new to save for this stage
@@ -199,11 +199,11 @@ class Coordinator:
         for index, peers in enumerate(stages):
             rows = []
             for peer_id, r in sorted(peers.items()):
-                rows.append({"peer_id": peer_id, "address": r.address, "state": r.state, "throughput": r.throughput,
+                rows.append({"peer_id": peer_id, "address": r.address, "state": r.state.value, "throughput": r.throughput,
                              "queue": r.queue, "version": r.version, "updated_at": r.updated_at,
                              "metrics_address": r.metrics_address})
-                seen[peer_id] = (index, r.state)
-            live = [p for p in rows if p["state"] != "draining"]
+                seen[peer_id] = (index, r.state.value)
+            live = [p for p in rows if p["state"] != PeerState.DRAINING.value]
             stage_rows.append({"index": index, "peers": rows, "throughput": sum(p["throughput"] for p in live),
                                "max_version": max((p["version"] for p in rows), default=0)})
         self._diff_membership(seen)

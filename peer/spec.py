@@ -7,6 +7,7 @@ The coordinator publishes it in the DHT under ``{run_id}.spec`` as a plain dict
 from __future__ import annotations
 
 import dataclasses
+import logging
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -15,6 +16,9 @@ from typing import Any
 from swarmpipe.peer.transport import codecs
 
 SCHEMA_VERSION = 1
+# Fields that older versions had and that never did anything: accepted and ignored, per table path.
+RETIRED_FIELDS: dict[str, set[str]] = {"": {"checkpoint_every"}}  # the coordinator's --checkpoint-every counts
+log = logging.getLogger("swarmpipe.spec")
 
 
 class SpecError(ValueError):
@@ -45,7 +49,9 @@ class OptimizerSpec:
     momentum_decay: float = 0.004  # nesterov (NAdam psi)
     nesterov_beta1: float = 0.99  # nesterov: beta1 (replaces betas[0]; betas[1] stays beta2)
     rotation_every: int = 10  # basis_rotation: power-iteration period f
-    stash: bool = True  # nesterov: False selects the no-stash variant
+    # False: peers keep no weight snapshots (less memory; a backward differentiates the live weights),
+    # and nesterov switches to its no-stash corrections
+    stash: bool = True
 
 
 @dataclass
@@ -89,7 +95,6 @@ class RunSpec:
     seed: int = 0
     averaging_period: int = 50  # replica averaging: at least this many local steps between rounds
     averaging_interval_s: float = 30.0  # rounds at clock-aligned slots this far apart (0 disables averaging)
-    checkpoint_every: int = 100
     model: ModelSpec = field(default_factory=ModelSpec)
     optimizer: OptimizerSpec = field(default_factory=OptimizerSpec)
     update: UpdateSpec = field(default_factory=UpdateSpec)
@@ -144,6 +149,10 @@ def _build(cls: type, data: dict[str, Any], path: str) -> Any:
     if not isinstance(data, dict):
         raise SpecError(f"{path or 'spec'} must be a table, got {type(data).__name__}")
     known = {f.name: f for f in dataclasses.fields(cls)}
+    retired = RETIRED_FIELDS.get(path, set()) & set(data)
+    if retired:  # published by an older coordinator, or an old spec file: they meant nothing
+        log.warning("spec: ignoring retired field(s) %s", ", ".join(f"{path}.{r}".lstrip(".") for r in sorted(retired)))
+        data = {k: v for k, v in data.items() if k not in retired}
     unknown = set(data) - set(known)
     if unknown:
         raise SpecError(f"unknown field(s) in {path or 'spec'}: {', '.join(sorted(unknown))}")

@@ -20,12 +20,12 @@ import logging
 import time
 
 import hivemind
-import torch
 from hivemind.utils import get_dht_time
 
 from swarmpipe.peer.events import EventLog
 from swarmpipe.peer.stage.runtime import StageRuntime
 from swarmpipe.peer.swarm.dht import SwarmDHT
+from swarmpipe.peer.swarm.records import PeerState
 
 log = logging.getLogger("swarmpipe.averaging")
 MATCHMAKING_S = 3.0
@@ -38,9 +38,8 @@ class ReplicaAverager:
         spec = runtime.spec
         self.interval = spec.averaging_interval_s
         self.min_steps = spec.averaging_period
-        self.params = [p for p in runtime.module.parameters()]
         self.averager = hivemind.averaging.DecentralizedAverager(
-            [p.detach().clone() for p in self.params], dht, start=True,
+            runtime.weights(), dht, start=True,
             prefix=f"{spec.run_id}_stage{runtime.stage}_averaging".replace(".", "_"), target_group_size=16, min_group_size=2,
             min_matchmaking_time=MATCHMAKING_S, request_timeout=1.0, allreduce_timeout=30.0)
         self.last_version = runtime.version
@@ -54,8 +53,7 @@ class ReplicaAverager:
         now = get_dht_time() if now is None else now
         return (now // self.interval + 1) * self.interval
 
-    async def run(self, swarm: SwarmDHT, executor) -> None:
-        loop = asyncio.get_running_loop()
+    async def run(self, swarm: SwarmDHT) -> None:
         while True:
             start_at = self.next_round_at()
             # Begin matchmaking a few seconds before the slot so every replica is looking at the slot.
@@ -63,24 +61,25 @@ class ReplicaAverager:
             if self.runtime.version - self.last_version < self.min_steps:
                 continue
             peers = await swarm.stage_peers(self.runtime.stage)
-            others = [pid for pid, r in peers.items() if pid != self.events.peer_id and r.state == "online"]
+            others = [pid for pid, r in peers.items() if pid != self.events.peer_id and r.state is PeerState.ONLINE]
             if not others:
                 continue
             try:
-                await self.average_once(loop, executor, scheduled_time=start_at)
+                await self.average_once(scheduled_time=start_at)
             except Exception as e:  # a vanished member or a timeout: training goes on, next slot tries again
                 self.failures += 1
                 self.events.emit("averaging_failed", level=logging.WARNING, error=str(e)[:200])
             await asyncio.sleep(max(0.0, start_at - get_dht_time()) + 0.5)
 
-    async def average_once(self, loop, executor, scheduled_time: float) -> bool:
+    async def average_once(self, scheduled_time: float) -> bool:
         started = time.monotonic()
-        snapshot = await loop.run_in_executor(executor, self._snapshot)
+        runtime = self.runtime
+        snapshot = await runtime.run(runtime.weights)
         with self.averager.get_tensors() as tensors:
             for buf, value in zip(tensors, snapshot):
                 buf.copy_(value)
         version = self.runtime.version
-        result = await loop.run_in_executor(None, lambda: self.averager.step(
+        result = await asyncio.to_thread(lambda: self.averager.step(
             scheduled_time=scheduled_time, timeout=scheduled_time - get_dht_time() + 20.0, allow_retries=False))
         if result is None:
             self.failures += 1
@@ -88,19 +87,9 @@ class ReplicaAverager:
             return False
         with self.averager.get_tensors() as tensors:
             averaged = [t.clone() for t in tensors]
-        await loop.run_in_executor(executor, self._apply, snapshot, averaged)
+        await runtime.run(runtime.add_correction, snapshot, averaged)
         self.last_version = self.runtime.version
         self.rounds += 1
         self.events.emit("averaged", stage=self.runtime.stage, group_size=len(result), version=version,
                          seconds=round(time.monotonic() - started, 2))
         return True
-
-    def _snapshot(self) -> list[torch.Tensor]:
-        return [p.detach().clone() for p in self.params]
-
-    def _apply(self, snapshot: list[torch.Tensor], averaged: list[torch.Tensor]) -> None:
-        """Runs on the compute thread: add the averaging correction, keeping updates made during the round."""
-        with torch.no_grad():
-            for p, before, after in zip(self.params, snapshot, averaged):
-                p.add_(after - before)
-        self.runtime._snapshot = None

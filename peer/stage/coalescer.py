@@ -17,7 +17,7 @@ import asyncio
 import logging
 import threading
 from collections import Counter
-from concurrent.futures import Executor, Future
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Callable, Generic, Hashable, TypeVar
 
@@ -44,11 +44,11 @@ class CoalescerStats:
 
 
 class Coalescer(Generic[T]):
-    def __init__(self, executor: Executor, run_batch: Callable[[list[T]], list[Any]], max_items: int = 4,
+    def __init__(self, submit: Callable[[Callable[[], Any]], Future], run_batch: Callable[[list[T]], list[Any]], max_items: int = 4,
                  wait_s: float = 0.0, name: str = "batch", on_batch: Callable[[int], None] | None = None):
         if max_items < 1:
             raise ValueError("max_items must be >= 1")
-        self.executor = executor
+        self._submit = submit  # queues work on the compute thread (StageRuntime.submit)
         self.run_batch = run_batch
         self.max_items = max_items
         self.wait_s = wait_s
@@ -78,11 +78,11 @@ class Coalescer(Generic[T]):
 
     def _schedule_drain(self, loop: asyncio.AbstractEventLoop) -> None:
         # One drain per request: a drain that finds its request already taken by an earlier batch does nothing.
-        # executor.submit, not loop.run_in_executor: the results reach the loop through _settle alone, and an
+        # submit to the compute thread, not loop.run_in_executor: the results reach the loop through _settle alone, and an
         # asyncio wrapper future would wake the loop a second time per batch for nothing.
         try:
-            self.executor.submit(self._drain, loop).add_done_callback(self._log_crash)
-        except RuntimeError as e:  # the executor was shut down (the peer is stopping): fail what waits
+            self._submit(lambda: self._drain(loop)).add_done_callback(self._log_crash)
+        except RuntimeError as e:  # the compute thread was shut down (the peer is stopping): fail what waits
             self._fail_all(e)
 
     def _log_crash(self, done: Future) -> None:

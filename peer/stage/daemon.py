@@ -14,8 +14,9 @@ from swarmpipe.peer.swarm.balance import choose_stage
 from swarmpipe.peer.swarm.bootstrap import neediest_run, resolve_initial_peers
 from swarmpipe.peer.config import PeerConfig
 from swarmpipe.peer.events import EventLog
+from swarmpipe.peer.stage.lifecycle import Lifecycle
 from swarmpipe.peer.stage.metrics import PeerMetrics
-from swarmpipe.peer.swarm.records import WIRE_PROTOCOL, StageRecord, now
+from swarmpipe.peer.swarm.records import WIRE_PROTOCOL, PeerState, StageRecord, now
 from swarmpipe.peer.stage.runtime import StageRuntime
 from swarmpipe.peer.stage.state_sources import hand_off_state, load_initial_state
 from swarmpipe.peer.stage.rebalancer import Rebalancer
@@ -27,10 +28,14 @@ MIN_RECORD_TTL_S = 10.0
 
 
 class PeerDaemon:
+    """The volunteer's process; implements :class:`~swarmpipe.peer.stage.lifecycle.StageHost` for the
+    rebalancer and owns the peer's :class:`Lifecycle`."""
+
     def __init__(self, cfg: PeerConfig):
         self.cfg = cfg
         self.stop_requested = asyncio.Event()
         self.events = EventLog(cfg.event_log, "peer")
+        self.lifecycle = Lifecycle()
         self.dht = None
         self.swarm: SwarmDHT | None = None
         self.servicer: StageServicer | None = None
@@ -58,7 +63,7 @@ class PeerDaemon:
             if self.server is not None:
                 await self.server.stop(grace=1.0)
             if self.servicer is not None:
-                self.servicer.executor.shutdown(wait=False, cancel_futures=True)
+                self.servicer.runtime.close()
             if self.averager is not None:
                 self.averager.shutdown()
             self.dht.shutdown()
@@ -78,7 +83,7 @@ class PeerDaemon:
         # The averager forks a process: it must exist before the gRPC server starts.
         self.averager = ReplicaAverager(self.dht, runtime, self.events) if spec.averaging_interval_s > 0 else None
         metrics = PeerMetrics()
-        self.servicer = StageServicer(runtime, peer_id, metrics)
+        self.servicer = StageServicer(runtime, peer_id, metrics, self.lifecycle)
         self.servicer.on_state_pushed = lambda state: self.events.emit(
             "state_received", from_version=state.version, digest=state.digest(), version=self.servicer.runtime.version)
         self.server, port = await start_server(self.servicer, cfg.host, cfg.port)
@@ -87,15 +92,15 @@ class PeerDaemon:
             self.metrics_address = f"{cfg.announce_host or cfg.host}:{metrics.serve(cfg.metrics_port, cfg.host)}"
         await self._announce()  # visible as "joining" while state arrives
         if cfg.state_download:
-            await load_initial_state(self.swarm, runtime, self.servicer.executor, self.events)
-        self.servicer.state = "online"
+            await load_initial_state(self.swarm, runtime, self.events)
+        self.lifecycle.change(PeerState.ONLINE)
         await self._announce()
         self.events.emit("online", stage=stage, address=self.address, metrics=self.metrics_address or "-")
         self._write_ready(run_id, stage, peer_id)
         background = [asyncio.create_task(self._announce_loop())]
         self._start_averaging()
         if cfg.rebalance_period > 0:
-            background.append(asyncio.create_task(Rebalancer(self).run()))
+            background.append(asyncio.create_task(Rebalancer(self, cfg.rebalance_period).run()))
         await self.stop_requested.wait()
         for task in background[1:] + ([self.averaging_task] if self.averaging_task else []):
             task.cancel()  # no move or averaging round may start while we leave
@@ -107,11 +112,23 @@ class PeerDaemon:
 
     def _start_averaging(self) -> None:
         if self.averager is not None:
-            self.averaging_task = asyncio.create_task(self.averager.run(self.swarm, self.servicer.executor))
+            self.averaging_task = asyncio.create_task(self.averager.run(self.swarm))
 
-    def restart_averaging(self, runtime: StageRuntime) -> None:
-        """After a move: average with the new stage's replicas (this fork happens after gRPC started,
-        which is safe because the averager process never touches gRPC)."""
+    @property
+    def runtime(self) -> StageRuntime:
+        return self.servicer.runtime
+
+    def switch_runtime(self, runtime: StageRuntime) -> None:
+        """After a move: serve ``runtime`` (the old one is drained) and take new work again."""
+        old = self.servicer.runtime
+        self.servicer.swap_runtime(runtime)
+        old.close()
+        self._restart_averaging(runtime)
+        self.lifecycle.change(PeerState.ONLINE)
+
+    def _restart_averaging(self, runtime: StageRuntime) -> None:
+        """Average with the new stage's replicas (this fork happens after gRPC started, which is safe
+        because the averager process never touches gRPC)."""
         if self.averager is None:
             return
         if self.averaging_task is not None:
@@ -133,7 +150,7 @@ class PeerDaemon:
     async def finish_in_flight(self) -> float:
         """Refuse new work and wait (bounded by --drain-timeout) for what we hold; returns the deadline."""
         servicer = self.servicer
-        servicer.state = "draining"
+        self.lifecycle.change(PeerState.DRAINING)
         self.events.emit("draining", stage=servicer.runtime.stage, pending=len(servicer.runtime.pending),
                          timeout=self.cfg.drain_timeout)
         await self._announce()
@@ -150,14 +167,14 @@ class PeerDaemon:
         if servicer.runtime.version > 0:
             remaining = max(1.0, deadline + 10.0 - asyncio.get_running_loop().time())
             try:
-                await asyncio.wait_for(hand_off_state(self.swarm, servicer.runtime, servicer.executor, self.events), remaining)
+                await asyncio.wait_for(hand_off_state(self.swarm, servicer.runtime, self.events), remaining)
             except asyncio.TimeoutError:
                 self.events.emit("handoff_failed", level=logging.WARNING, error="timed out")
 
     # ------------------------------------------------------------ announcing
-    def record(self, state: str | None = None, throughput: float | None = None) -> StageRecord:
+    def record(self, state: PeerState | None = None, throughput: float | None = None) -> StageRecord:
         s = self.servicer
-        return StageRecord(address=self.address, state=state or s.state, queue=s.queue, version=s.runtime.version,
+        return StageRecord(address=self.address, state=state or self.lifecycle.state, queue=s.queue, version=s.runtime.version,
                            throughput=s.runtime.throughput() if throughput is None else throughput,
                            updated_at=now(), metrics_address=self.metrics_address, protocol=WIRE_PROTOCOL)
 
@@ -169,7 +186,7 @@ class PeerDaemon:
     async def _announce(self) -> None:
         await self.swarm.announce_stage(self.servicer.runtime.stage, self.record(), ttl=self.record_ttl)
 
-    async def announce_other(self, stage: int, record: StageRecord) -> None:
+    async def announce_as(self, stage: int, record: StageRecord) -> None:
         """Announce under a stage we are moving to or leaving (rebalancing)."""
         await self.swarm.announce_stage(stage, record, ttl=self.record_ttl)
 

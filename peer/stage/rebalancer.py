@@ -13,22 +13,25 @@ import asyncio
 import logging
 import random
 
-from swarmpipe.peer.swarm.balance import rebalance_target, stage_cost
+from swarmpipe.peer.stage.lifecycle import StageHost
 from swarmpipe.peer.stage.runtime import StageRuntime
 from swarmpipe.peer.stage.state_sources import hand_off_state, load_initial_state
+from swarmpipe.peer.swarm.balance import rebalance_target, stage_cost
+from swarmpipe.peer.swarm.records import PeerState
 
 log = logging.getLogger("swarmpipe.rebalance")
 COOLDOWN_PERIODS = 4
 
 
 class Rebalancer:
-    def __init__(self, daemon, rng: random.Random | None = None):
-        self.daemon = daemon
+    def __init__(self, host: StageHost, period: float, rng: random.Random | None = None):
+        self.host = host
+        self.period = period
         self.rng = rng or random.Random()
         self.cooldown = 0
 
     async def run(self) -> None:
-        period = self.daemon.cfg.rebalance_period
+        period = self.period
         while True:
             await asyncio.sleep(period * self.rng.uniform(0.5, 1.5))
             if self.cooldown > 0:
@@ -46,39 +49,35 @@ class Rebalancer:
             except asyncio.CancelledError:
                 raise
             except Exception as e:  # a failed check or move leaves us serving where we are
-                self.daemon.events.emit("rebalance_failed", level=logging.WARNING, error=str(e)[:300])
+                self.host.events.emit("rebalance_failed", level=logging.WARNING, error=str(e)[:300])
 
     async def check(self) -> int | None:
-        servicer = self.daemon.servicer
-        if servicer.state != "online":
+        if self.host.lifecycle.state is not PeerState.ONLINE:
             return None
-        runtime = servicer.runtime
+        runtime = self.host.runtime
         spec = runtime.spec
-        stages = await self.daemon.swarm.all_stages(spec.num_stages)
+        stages = await self.host.swarm.all_stages(spec.num_stages)
         mine = runtime.throughput()
         if mine <= 0:
             return None  # not measured yet
         # What we would do there: our measured speed scaled by the relative cost of the stages.
         def estimate(target: int) -> float:
             return mine * stage_cost(spec, runtime.stage) / stage_cost(spec, target)
-        return rebalance_target(stages, runtime.stage, self.daemon.events.peer_id, mine, estimate=estimate)
+        return rebalance_target(stages, runtime.stage, self.host.events.peer_id, mine, estimate=estimate)
 
     async def move(self, target: int) -> None:
-        daemon = self.daemon
-        servicer = daemon.servicer
-        old = servicer.runtime
+        host = self.host
+        old = host.runtime
         spec = old.spec
         estimate = old.throughput() * stage_cost(spec, old.stage) / stage_cost(spec, target)
-        daemon.events.emit("rebalancing", from_stage=old.stage, to_stage=target, estimate=round(estimate, 2))
-        await daemon.announce_other(target, daemon.record(state="joining", throughput=estimate))
-        new = await asyncio.get_running_loop().run_in_executor(servicer.executor, StageRuntime, spec, target)
+        host.events.emit("rebalancing", from_stage=old.stage, to_stage=target, estimate=round(estimate, 2))
+        await host.announce_as(target, host.record(state=PeerState.JOINING, throughput=estimate))
+        new = await old.run(StageRuntime, spec, target)  # built off the event loop; it owns its own thread
         new.assume_throughput(estimate)  # others must count us at the new stage right away, not as zero
-        await load_initial_state(daemon.swarm, new, servicer.executor, daemon.events)
-        await daemon.finish_in_flight()  # old stage: refuse new work, finish what we hold
-        await hand_off_state(daemon.swarm, old, servicer.executor, daemon.events)
-        servicer.swap_runtime(new)
-        daemon.restart_averaging(new)
-        servicer.state = "online"
-        await daemon.announce_other(old.stage, daemon.record(state="draining", throughput=0.0))
-        await daemon.announce_other(target, daemon.record())
-        daemon.events.emit("rebalanced", from_stage=old.stage, to_stage=target, version=new.version)
+        await load_initial_state(host.swarm, new, host.events)
+        await host.finish_in_flight()  # old stage: refuse new work, finish what we hold
+        await hand_off_state(host.swarm, old, host.events)
+        host.switch_runtime(new)
+        await host.announce_as(old.stage, host.record(state=PeerState.DRAINING, throughput=0.0))
+        await host.announce_as(target, host.record())
+        host.events.emit("rebalanced", from_stage=old.stage, to_stage=target, version=new.version)

@@ -8,14 +8,17 @@ The gradient is then applied to the live weights (no pipeline flush). The delay
 (updates between forward and backward) is measured per micro-batch; gradients
 staler than the spec's bound are dropped and counted, never applied silently.
 
-Not thread-safe by design: the server runs every call on one compute thread.
+The runtime owns its compute thread: every call that reads or writes its weights (compute, state
+export/import, blending, averaging corrections) runs there, through :meth:`StageRuntime.run` or
+:meth:`StageRuntime.submit`, so no other module touches its fields or borrows its executor.
 """
 from __future__ import annotations
 
+import asyncio
 import time
-from collections import Counter, OrderedDict
-from itertools import accumulate
-from dataclasses import dataclass, field
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Callable, TypeVar
 
 import torch
 from torch.func import functional_call
@@ -23,57 +26,16 @@ from torch.func import functional_call
 from swarmpipe.peer.model.bytegpt import build_stage, lm_loss
 from swarmpipe.peer.optim import build_optimizer, set_learning_rate
 from swarmpipe.peer.spec import RunSpec
+from swarmpipe.peer.stage.stash import (  # noqa: F401 (BackwardResult, UnknownMicrobatch: part of this API)
+    BackwardResult,
+    ForwardGroup,
+    RuntimeStats,
+    UnknownMicrobatch,
+    concat_rows,
+)
+from swarmpipe.peer.stage.state import StageState, StateError, blend_into, capture, load_into
 
-
-def concat_rows(tensors: list[torch.Tensor]) -> tuple[torch.Tensor, list[slice]]:
-    """The tensors joined along the batch dimension (no copy for one), and each one's rows in the result."""
-    joined = torch.cat(tensors) if len(tensors) > 1 else tensors[0]
-    ends = list(accumulate(t.shape[0] for t in tensors))
-    return joined, [slice(end - t.shape[0], end) for t, end in zip(tensors, ends)]
-
-
-class UnknownMicrobatch(KeyError):
-    """A backward for a micro-batch whose forward this peer never ran (or expired)."""
-
-
-@dataclass
-class ForwardGroup:
-    """One forward call over one or more micro-batches (batched on the server), on one weight snapshot."""
-    version: int
-    step: int  # this runtime's local optimizer steps at the forward: the delay clock (versions jump on averaging)
-    inputs: torch.Tensor  # the micro-batches' inputs, concatenated along the batch dimension
-    output: torch.Tensor  # carries the autograd graph to the snapshot
-    params: dict[str, torch.Tensor]
-    created_at: float
-    rows: dict[str, slice]  # micro-batch id -> its rows in inputs / output
-    outstanding: set[str]  # members whose backward has not run yet
-
-    def forget(self, microbatch_id: str) -> None:
-        self.outstanding.discard(microbatch_id)
-
-
-@dataclass
-class BackwardResult:
-    grad_input: torch.Tensor | None
-    delay: int
-    applied: bool
-    dropped_reason: str = ""
-    loss: float | None = None
-
-
-@dataclass
-class RuntimeStats:
-    forwards: int = 0
-    backwards: int = 0
-    replays: int = 0
-    steps: int = 0
-    dropped_stale: int = 0
-    dropped_nonfinite: int = 0
-    recomputed: int = 0  # backwards of batched forwards whose siblings came apart (one extra forward each)
-    expired: int = 0
-    samples: int = 0
-    busy_seconds: float = 0.0  # time spent computing: busy fraction = its rate of change
-    delays: Counter = field(default_factory=Counter)
+T = TypeVar("T")
 
 
 class StageRuntime:
@@ -85,6 +47,10 @@ class StageRuntime:
         self.is_first = self.module.is_first
         self.is_last = self.module.is_last
         self.optimizer = build_optimizer(self.module.named_parameters(), spec.optimizer, stage, spec.num_stages)
+        # Weight stashing (the default): a forward keeps its weight snapshot and graph, so its backward is
+        # exact. Without (optimizer.stash = false) nothing but the input is kept, and the backward
+        # differentiates on the weights live when it arrives: less memory, a stale-weights gradient.
+        self.stash = spec.optimizer.stash
         self.version = 0  # optimizer steps applied to the live weights
         self.pending: OrderedDict[str, ForwardGroup] = OrderedDict()  # micro-batch id -> its forward
         self.max_pending = max_pending
@@ -93,6 +59,55 @@ class StageRuntime:
         self._snapshot: tuple[int, dict[str, torch.Tensor]] | None = None
         self._seconds_per_sample: float | None = None  # EMA of compute time per sample
         self._batched_run = 0  # batched calls since the last unbatched one
+        self._compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"compute-s{stage}")
+
+    # ---------------------------------------------------------------- the compute thread
+    def submit(self, fn: Callable[[], T]) -> "Future[T]":
+        """Queue ``fn`` on this runtime's compute thread (every access to the weights goes there)."""
+        return self._compute.submit(fn)
+
+    async def run(self, fn: Callable[..., T], *args: Any) -> T:
+        """Await ``fn(*args)`` on the compute thread."""
+        return await asyncio.get_running_loop().run_in_executor(self._compute, fn, *args)
+
+    def close(self) -> None:
+        """Stop the compute thread; queued work is cancelled (the peer is leaving)."""
+        self._compute.shutdown(wait=False, cancel_futures=True)
+
+    # ---------------------------------------------------------------- state (call on the compute thread)
+    def export_state(self) -> StageState:
+        """A consistent copy of weights, optimizer state and version."""
+        meta = {"run_id": self.spec.run_id, "stage": self.stage, "version": self.version,
+                "optimizer": {"kind": self.spec.optimizer.kind}}
+        return capture(self.module, self.optimizer, meta)
+
+    def import_state(self, state: StageState, load_optimizer: bool = True) -> None:
+        """Serve ``state`` from now on: weights, the optimizer state when its kind matches, the version."""
+        if int(state.meta.get("stage", self.stage)) != self.stage:
+            raise StateError(f"state is for stage {state.meta.get('stage')}, this runtime serves stage {self.stage}")
+        same_kind = (state.meta.get("optimizer") or {}).get("kind") == self.spec.optimizer.kind
+        load_into(self.module, self.optimizer if load_optimizer and same_kind else None, state)
+        self.version = max(self.version, state.version)
+        self.pending.clear()  # forwards on the old weights can no longer be differentiated exactly
+        self._snapshot = None  # the next forward must see the new weights
+
+    def blend(self, other: StageState, weight: float = 0.5) -> None:
+        """Average another replica's weights into ours (a drain hand-off): p <- (1 - w) p + w p_other."""
+        blend_into(self.module, other, weight)
+        self.version = max(self.version, other.version)
+        self._snapshot = None
+
+    def weights(self) -> list[torch.Tensor]:
+        """Copies of the live weights, in parameter order (the averaging round's starting point)."""
+        return [p.detach().clone() for p in self.module.parameters()]
+
+    def add_correction(self, before: list[torch.Tensor], after: list[torch.Tensor]) -> None:
+        """Add ``after - before`` to the live weights: an averaging round's result, keeping the updates
+        made while it ran."""
+        with torch.no_grad():
+            for p, b, a in zip(self.module.parameters(), before, after):
+                p.add_(a - b)
+        self._snapshot = None
 
     # ---------------------------------------------------------------- compute
     def _params_snapshot(self) -> dict[str, torch.Tensor]:
@@ -116,10 +131,16 @@ class StageRuntime:
             raise ValueError("micro-batches in one batch must share their trailing shape")
         for mb in ids:
             self._forget(mb)  # a retried forward replaces the old record
-        params = self._params_snapshot()
         joined, slices = concat_rows([x for _, x in items])
-        x = joined if self.is_first else joined.detach().float().requires_grad_(True)
-        output = functional_call(self.module, params, (x,))
+        if self.stash:
+            params = self._params_snapshot()
+            x = joined if self.is_first else joined.detach().float().requires_grad_(True)
+            output = functional_call(self.module, params, (x,))
+        else:  # no stash: keep only the input; the backward recomputes on the weights live then
+            params = None
+            x = joined if self.is_first else joined.detach().float()
+            with torch.no_grad():
+                output = self.module(x)
         rows = dict(zip(ids, slices))
         group = ForwardGroup(self.version, self.stats.steps, x, output, params, time.monotonic(), rows, set(ids))
         for mb in ids:
@@ -170,20 +191,21 @@ class StageRuntime:
         ids = [mb for _, mb, _ in members]
         for mb in ids:
             self._forget(mb)
-        if not group.outstanding:  # every member still owed is here: one backward through the group's graph
+        if group.params is not None and not group.outstanding:  # all owed members are here: one backward, the group's graph
             grad_full = torch.zeros_like(group.output)
             for _, mb, grad in members:
                 grad_full[group.rows[mb]] = grad.to(grad_full.dtype)
-            x, output, grad_output = group.inputs, group.output, grad_full
+            x, output, grad_output, params = group.inputs, group.output, grad_full, group.params
             rows = {mb: group.rows[mb] for mb in ids}
-        else:  # siblings are still out: recompute just these rows on the stashed weights
+        else:  # siblings are still out (or no stash): recompute just these rows
+            params = group.params if group.params is not None else dict(self.module.named_parameters())
             joined, slices = concat_rows([group.inputs[group.rows[mb]].detach() for mb in ids])
             x = joined if self.is_first else joined.requires_grad_(True)
-            output = functional_call(self.module, group.params, (x,))
+            output = functional_call(self.module, params, (x,))
             grad_output = torch.cat([g.to(output.dtype) for _, _, g in members])
             rows = dict(zip(ids, slices))
-            self.stats.recomputed += len(ids)
-        grad_input, param_grads = self._differentiate(output, grad_output, x, group.params)
+            self.stats.recomputed += len(ids) if group.params is not None else 0
+        grad_input, param_grads = self._differentiate(output, grad_output, x, params)
         shared = self._apply(param_grads, self.stats.steps - group.step, count=len(ids))
         self._observe(time.perf_counter() - started, sum(r.stop - r.start for r in rows.values()), weight=2 / 3,
                       microbatches=len(ids))

@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable
 
@@ -24,8 +23,10 @@ from swarmpipe.peer.transport.channels import server_options, tune_allocator
 from swarmpipe.peer.stage.coalescer import Coalescer
 from swarmpipe.peer.stage.metrics import PeerMetrics
 from swarmpipe.peer.swarm.records import WIRE_PROTOCOL
-from swarmpipe.peer.stage.state import StageState, average_into, export_state, to_chunks
-from swarmpipe.peer.stage.state_transfer import receive_pushed
+from swarmpipe.peer.stage.lifecycle import Lifecycle
+from swarmpipe.peer.stage.state import StageState, to_chunks
+from swarmpipe.peer.stage.state_transfer import DonorSnapshot, receive_pushed
+from swarmpipe.peer.swarm.records import PeerState
 from swarmpipe.peer.stage.runtime import BackwardResult, StageRuntime, UnknownMicrobatch
 from swarmpipe.peer.transport.streaming import METHODS as STREAM_METHODS, TensorView, frames, reassemble
 from swarmpipe.peer.transport import codecs
@@ -51,15 +52,16 @@ class Siblings:
 
 
 class StageServicer(swarm_pb2_grpc.StageServicer):
-    def __init__(self, runtime: StageRuntime, peer_id: str, metrics: PeerMetrics | None = None):
+    def __init__(self, runtime: StageRuntime, peer_id: str, metrics: PeerMetrics | None = None,
+                 lifecycle: Lifecycle | None = None):
         self.runtime = runtime
         self.spec = runtime.spec
         self.peer_id = peer_id
         self.metrics = metrics or PeerMetrics()
-        self.state = "joining"
+        self.lifecycle = lifecycle or Lifecycle()  # owned by the daemon; the server only reads it
         self.queue = 0
         self.in_flight = 0
-        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="compute")
+        self.donor = DonorSnapshot()  # one export serves every shard of a joiner's download
         self._reported_steps = runtime.stats.steps
         self.on_state_pushed: Callable[[StageState], None] | None = None  # hook for the event log
         batching = runtime.spec.batching
@@ -69,8 +71,15 @@ class StageServicer(swarm_pb2_grpc.StageServicer):
         self.forward_backwards = self._coalescer(
             "forward_backward", lambda items: self.runtime.forward_backward_many(items), batching.wait_ms)
 
+    @property
+    def state(self) -> PeerState:
+        return self.lifecycle.state
+
+    def _submit(self, fn: Callable[[], Any]):
+        return self.runtime.submit(fn)  # late-bound: a rebalancing move swaps the runtime
+
     def _coalescer(self, method: str, run: Callable[[list], list], wait_ms: float) -> Coalescer:
-        return Coalescer(self.executor, run, max_items=self.spec.batching.max_microbatches, wait_s=wait_ms / 1000,
+        return Coalescer(self._submit, run, max_items=self.spec.batching.max_microbatches, wait_s=wait_ms / 1000,
                          name=method, on_batch=self.metrics.batch.labels(method).observe)
 
     def _run_forwards(self, items: list[tuple[str, torch.Tensor]]) -> list[tuple[torch.Tensor, Siblings | None]]:
@@ -84,6 +93,7 @@ class StageServicer(swarm_pb2_grpc.StageServicer):
         """Serve another stage from now on (rebalancing); the old runtime must be drained first."""
         self.runtime = runtime
         self.spec = runtime.spec
+        self.donor.clear()
         self._reported_steps = runtime.stats.steps
         self.metrics.version.set(runtime.version)
 
@@ -147,7 +157,7 @@ class StageServicer(swarm_pb2_grpc.StageServicer):
     # ------------------------------------------------------------ plumbing
     async def _compute(self, method: str, fn: Callable[[], Any]) -> Any:
         """Run ``fn`` on the single compute thread, counting the queue in front of it."""
-        return await self._queued(method, lambda: asyncio.get_running_loop().run_in_executor(self.executor, fn))
+        return await self._queued(method, lambda: self.runtime.run(fn))
 
     async def _queued(self, method: str, start: Callable[[], Awaitable[Any]]) -> Any:
         self.queue += 1
@@ -183,8 +193,8 @@ class StageServicer(swarm_pb2_grpc.StageServicer):
             self.in_flight -= 1
 
     def _require_accepting(self) -> None:
-        if self.state != "online":
-            raise RequestError(grpc.StatusCode.UNAVAILABLE, f"peer is {self.state}; send new work to another replica")
+        if not self.lifecycle.accepting:
+            raise RequestError(grpc.StatusCode.UNAVAILABLE, f"peer is {self.state.value}; send new work to another replica")
 
     def _after_backward(self, result: BackwardResult) -> None:
         self.metrics.delay.observe(result.delay)
@@ -250,7 +260,7 @@ class StageServicer(swarm_pb2_grpc.StageServicer):
             self._count_bytes(request.grad_output, incoming=True)
             grad = self._decode_grad(request.grad_output)
             if request.replay:
-                if self.state == "draining":  # a replay is new work
+                if self.state is PeerState.DRAINING:  # a replay is new work
                     self._require_accepting()
                 if is_empty(request.input):
                     raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, "a replayed backward must carry the stage input")
@@ -293,7 +303,7 @@ class StageServicer(swarm_pb2_grpc.StageServicer):
         stats = self.runtime.stats
         return swarm_pb2.InfoResponse(
             peer_id=self.peer_id, stage=self.runtime.stage, version=self.runtime.version,
-            throughput=self.runtime.throughput(), queue=self.queue, state=self.state,
+            throughput=self.runtime.throughput(), queue=self.queue, state=self.state.value,
             samples_processed=stats.samples, dropped_stale=stats.dropped_stale, busy_seconds=stats.busy_seconds,
             cpu_seconds=time.process_time(), batches=sum(c.stats.batches for c in self._coalescers()),
             batched_microbatches=sum(c.stats.items for c in self._coalescers()), protocol=WIRE_PROTOCOL,
@@ -306,12 +316,13 @@ class StageServicer(swarm_pb2_grpc.StageServicer):
         self.metrics.requests.labels("download_state").inc()
         try:
             self._check_header(request.run_id, request.stage)
-            if self.state == "joining":
+            if not self.lifecycle.serves_state:
                 raise RequestError(grpc.StatusCode.UNAVAILABLE, "this peer is still joining; download from another replica")
-            # Export on the compute thread: one consistent version, never mid-update.
-            chunks = await self._compute(
-                "download_state", lambda: to_chunks(export_state(self.runtime), request.shard, request.num_shards or 1,
-                                                    self.spec.compression.state))
+            # Exported on the compute thread (one consistent version, never mid-update) and kept a while,
+            # so every shard of one joiner's download comes from the same snapshot.
+            state = await self.donor.get(lambda: self._compute("download_state", self.runtime.export_state))
+            chunks = await asyncio.to_thread(to_chunks, state, request.shard, request.num_shards or 1,
+                                             self.spec.compression.state)
         except (RequestError, ValueError) as e:
             code = e.code if isinstance(e, RequestError) else grpc.StatusCode.INVALID_ARGUMENT
             self.metrics.errors.labels("download_state", code.name.lower()).inc()
@@ -327,9 +338,9 @@ class StageServicer(swarm_pb2_grpc.StageServicer):
         async def handle() -> swarm_pb2.PushStateResponse:
             state = await receive_pushed(request_iterator)
             self._check_header(state.meta.get("run_id", ""), int(state.meta.get("stage", -1)))
-            if self.state == "draining":
+            if self.state is PeerState.DRAINING:
                 raise RequestError(grpc.StatusCode.UNAVAILABLE, "this peer is draining too")
-            await self._compute("push_state", lambda: average_into(self.runtime, state))
+            await self._compute("push_state", lambda: self.runtime.blend(state))
             if self.on_state_pushed is not None:
                 self.on_state_pushed(state)
             return swarm_pb2.PushStateResponse(accepted=True, version=self.runtime.version,
@@ -341,7 +352,7 @@ class StageServicer(swarm_pb2_grpc.StageServicer):
         """Forward / Backward / ForwardBackward whose messages are too large for one gRPC message."""
         limits = self.spec.limits
         try:
-            method, request = await reassemble(request_iterator, max_total_bytes=getattr(limits, "max_stream_mb", 1024) << 20,
+            method, request = await reassemble(request_iterator, max_total_bytes=limits.max_stream_mb << 20,
                                                what="stream")
         except WireError as e:
             self.metrics.errors.labels("stream", "invalid_tensor").inc()

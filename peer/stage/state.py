@@ -1,7 +1,8 @@
 """A stage's full state as named tensors + JSON metadata, and its chunked wire form.
 
-Used by state transfer (``DownloadState`` / ``PushState``), the drain handoff and the
-coordinator's checkpoints (safetensors + JSON). Tensors are named
+The stage runtime exports, imports and blends it (:meth:`StageRuntime.export_state` and friends,
+built on :func:`capture`, :func:`load_into`, :func:`blend_into`); state transfer (``DownloadState`` /
+``PushState``), the drain handoff and the coordinator's checkpoints (safetensors + JSON) move it. Tensors are named
 ``param.<name>`` and ``optim.<index>.<key>``; everything else (version, optimizer
 scalars and param groups) lives in the metadata. Nothing is pickled.
 """
@@ -9,7 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Iterable
 
 import torch
@@ -22,28 +23,43 @@ class StateError(ValueError):
     """A state that does not fit this stage, or a transfer that ended early."""
 
 
+class MixedState(StateError):
+    """Shards of different snapshots, or weights that do not hash to their announced digest."""
+
+
 @dataclass
 class StageState:
     tensors: dict[str, torch.Tensor]
     meta: dict[str, Any]  # {"stage", "version", "run_id", "optimizer": {...}, "names": [...]}
+    _digests: dict[str, str] = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def version(self) -> int:
         return int(self.meta.get("version", 0))
 
     def digest(self) -> str:
-        """Content hash over parameters only: equal weights give equal digests."""
-        h = hashlib.sha256()
-        for name in sorted(k for k in self.tensors if k.startswith("param.")):
-            h.update(name.encode())
-            h.update(self.tensors[name].detach().contiguous().float().numpy().tobytes())
-        return h.hexdigest()[:16]
+        """Content hash over parameters only: equal weights give equal digests (computed once)."""
+        return self.wire_digest("none")
+
+    def wire_digest(self, codec: str) -> str:
+        """The digest of the weights as a receiver decodes them under ``codec`` (a lossy state codec
+        changes them): what a donor announces, so the joiner can check what it assembled."""
+        if codec not in self._digests:
+            h = hashlib.sha256()
+            for name in sorted(k for k in self.tensors if k.startswith("param.")):
+                t = self.tensors[name].detach()
+                if codec != "none":
+                    t = decode(encode(t, codec), max_elements=t.numel(), check_finite=False)
+                h.update(name.encode())
+                h.update(t.contiguous().float().numpy().tobytes())
+            self._digests[codec] = h.hexdigest()[:16]
+        return self._digests[codec]
 
 
-def export_state(runtime) -> StageState:
-    """Snapshot of a :class:`StageRuntime` (call on its compute thread for consistency)."""
-    tensors: dict[str, torch.Tensor] = {f"param.{n}": p.detach().clone() for n, p in runtime.module.named_parameters()}
-    opt = runtime.optimizer.state_dict()
+def capture(module: torch.nn.Module, optimizer: torch.optim.Optimizer, meta: dict[str, Any]) -> StageState:
+    """Copies of a module's weights and its optimizer's state; ``meta`` names run, stage, version."""
+    tensors: dict[str, torch.Tensor] = {f"param.{n}": p.detach().clone() for n, p in module.named_parameters()}
+    opt = optimizer.state_dict()
     scalars: dict[str, dict[str, Any]] = {}
     for index, entry in opt["state"].items():
         for key, value in entry.items():
@@ -51,36 +67,37 @@ def export_state(runtime) -> StageState:
                 tensors[f"optim.{index}.{key}"] = value.detach().clone()
             else:
                 scalars.setdefault(str(index), {})[key] = value
-    meta = {
-        "run_id": runtime.spec.run_id,
-        "stage": runtime.stage,
-        "version": runtime.version,
-        "optimizer": {"kind": runtime.spec.optimizer.kind, "param_groups": _jsonable(opt["param_groups"]), "scalars": scalars},
-    }
+    meta = dict(meta)
+    meta["optimizer"] = dict(meta.get("optimizer", {}), param_groups=_jsonable(opt["param_groups"]), scalars=scalars)
     return StageState(tensors, meta)
 
 
-def import_state(runtime, state: StageState, load_optimizer: bool = True) -> None:
-    """Load weights (and optimizer state when it matches) into a runtime; checks every shape."""
-    if int(state.meta.get("stage", runtime.stage)) != runtime.stage:
-        raise StateError(f"state is for stage {state.meta.get('stage')}, this runtime serves stage {runtime.stage}")
-    params = dict(runtime.module.named_parameters())
-    missing = [n for n in params if f"param.{n}" not in state.tensors]
-    if missing:
-        raise StateError(f"state lacks parameters: {', '.join(missing[:5])}")
-    for name, p in params.items():
-        value = state.tensors[f"param.{name}"]
+def check_params(module: torch.nn.Module, state: StageState, what: str = "state") -> None:
+    """Every parameter of ``module`` is in ``state`` with its shape; raises :class:`StateError`."""
+    for name, p in module.named_parameters():
+        value = state.tensors.get(f"param.{name}")
+        if value is None:
+            raise StateError(f"{what} lacks parameter {name}")
         if value.shape != p.shape:
-            raise StateError(f"parameter {name}: shape {list(value.shape)} does not match {list(p.shape)}")
+            raise StateError(f"{what}: parameter {name} has shape {list(value.shape)}, this stage {list(p.shape)}")
+
+
+def load_into(module: torch.nn.Module, optimizer: torch.optim.Optimizer | None, state: StageState) -> None:
+    """Copy weights (and the optimizer state when given) into place; shapes checked first."""
+    check_params(module, state)
     with torch.no_grad():
-        for name, p in params.items():
+        for name, p in module.named_parameters():
             p.copy_(state.tensors[f"param.{name}"])
-    opt_meta = state.meta.get("optimizer") or {}
-    if load_optimizer and opt_meta.get("kind") == runtime.spec.optimizer.kind:
-        runtime.optimizer.load_state_dict(_optimizer_state_dict(state, opt_meta))
-    runtime.version = max(runtime.version, state.version)
-    runtime.pending.clear()
-    runtime._snapshot = None  # the next forward must see the new weights
+    if optimizer is not None:
+        optimizer.load_state_dict(_optimizer_state_dict(state, state.meta.get("optimizer") or {}))
+
+
+def blend_into(module: torch.nn.Module, other: StageState, weight: float) -> None:
+    """p <- (1 - w) p + w p_other for every parameter (shapes checked first)."""
+    check_params(module, other, what="cannot average: state")
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            p.mul_(1 - weight).add_(other.tensors[f"param.{name}"].to(p.dtype), alpha=weight)
 
 
 def _optimizer_state_dict(state: StageState, opt_meta: dict[str, Any]) -> dict[str, Any]:
@@ -104,20 +121,6 @@ def _jsonable(value: Any) -> Any:
     return value
 
 
-def average_into(runtime, other: StageState, weight: float = 0.5) -> None:
-    """Blend another replica's weights into ours: p <- (1 - w) p + w p_other (shapes checked)."""
-    params = dict(runtime.module.named_parameters())
-    for name, p in params.items():
-        value = other.tensors.get(f"param.{name}")
-        if value is None or value.shape != p.shape:
-            raise StateError(f"cannot average: parameter {name} missing or of another shape")
-    with torch.no_grad():
-        for name, p in params.items():
-            p.mul_(1 - weight).add_(other.tensors[f"param.{name}"].to(p.dtype), alpha=weight)
-    runtime.version = max(runtime.version, other.version)
-    runtime._snapshot = None
-
-
 # ---------------------------------------------------------------- wire form
 def to_chunks(state: StageState, shard: int = 0, num_shards: int = 1, codec: str = "none") -> list[swarm_pb2.StateChunk]:
     """Metadata first (in every shard), then this shard's tensors: entries i with i % num_shards == shard."""
@@ -125,11 +128,11 @@ def to_chunks(state: StageState, shard: int = 0, num_shards: int = 1, codec: str
         raise StateError(f"shard {shard} of {num_shards} does not exist")
     names = sorted(state.tensors)
     mine = [n for i, n in enumerate(names) if i % num_shards == shard]
-    meta = dict(state.meta, names=names, digest=state.digest())
+    meta = dict(state.meta, names=names, digest=state.wire_digest(codec))
     chunks = [swarm_pb2.StateChunk(name="", version=state.version, metadata_json=json.dumps(meta), index=0, total=len(mine) + 1)]
     for i, name in enumerate(mine, start=1):
         t = state.tensors[name]
-        chunks.append(swarm_pb2.StateChunk(name=name, tensor=encode(t, codec if t.is_floating_point() else "none"),
+        chunks.append(swarm_pb2.StateChunk(name=name, tensor=encode(t, codec),
                                            version=state.version, index=i, total=len(mine) + 1))
     return chunks
 
@@ -160,14 +163,25 @@ def from_chunks(chunks: Iterable[swarm_pb2.StateChunk], max_elements: int = 1 <<
 
 
 def assemble(shards: list[tuple[dict[str, Any], dict[str, torch.Tensor]]]) -> StageState:
-    """Join shards from several donors; every listed tensor must have arrived."""
+    """Join shards into one state. Every shard must come from the same snapshot (same version and
+    announced digest), every listed tensor must have arrived, and the joined weights must hash to the
+    announced digest: a set mixed from replicas at different versions, or tampered on the way, raises
+    :class:`MixedState` (a :class:`StateError`) and is never loaded."""
     if not shards:
         raise StateError("no state shards")
-    meta = max((m for m, _ in shards), key=lambda m: int(m.get("version", 0)))
+    origins = {(int(m.get("version", 0)), str(m.get("digest", ""))) for m, _ in shards}
+    if len(origins) > 1:
+        raise MixedState(f"state shards come from {len(origins)} different snapshots: "
+                         + ", ".join(f"version {v} digest {d[:16]}" for v, d in sorted(origins)))
+    meta = shards[0][0]
     tensors: dict[str, torch.Tensor] = {}
     for _, part in shards:
         tensors.update(part)
     missing = [n for n in meta.get("names", []) if n not in tensors]
     if missing:
-        raise StateError(f"state is missing {len(missing)} tensors, e.g. {missing[0]}")
-    return StageState(tensors, meta)
+        raise StateError(f"state is missing {len(missing)} tensors, e.g. {missing[0][:64]}")
+    state = StageState(tensors, meta)
+    announced = str(meta.get("digest", ""))
+    if announced and state.digest() != announced:
+        raise MixedState(f"state weights hash to {state.digest()}, their donor announced {announced[:16]}")
+    return state

@@ -4,24 +4,24 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-from concurrent.futures import Executor
 
 from swarmpipe.peer.events import EventLog
 from swarmpipe.peer.stage.runtime import StageRuntime
-from swarmpipe.peer.stage.state import StateError, export_state, import_state
+from swarmpipe.peer.stage.state import StateError
 from swarmpipe.peer.stage.state_transfer import download_state, push_state
 from swarmpipe.peer.swarm.dht import SwarmDHT
+from swarmpipe.peer.swarm.records import PeerState
 
 MAX_DONORS = 4
 
 
-async def load_initial_state(swarm: SwarmDHT, runtime: StageRuntime, executor: Executor, events: EventLog) -> str:
+async def load_initial_state(swarm: SwarmDHT, runtime: StageRuntime, events: EventLog) -> str:
     """Newest state from live replicas (split across them), else the coordinator's checkpoint, else the seed.
     Returns the source used."""
     spec = runtime.spec
     loop = asyncio.get_running_loop()
     peers = await swarm.stage_peers(runtime.stage)
-    donors = [r.address for pid, r in peers.items() if pid != events.peer_id and r.state == "online"]
+    donors = [r.address for pid, r in peers.items() if pid != events.peer_id and r.state is PeerState.ONLINE]
     sources: list[tuple[str, list[str]]] = [("replicas", donors[:MAX_DONORS])] if donors else []
     checkpoint = await swarm.checkpoint()
     if checkpoint is not None and checkpoint.url and runtime.stage < len(checkpoint.versions) \
@@ -33,7 +33,7 @@ async def load_initial_state(swarm: SwarmDHT, runtime: StageRuntime, executor: E
         try:
             state = await download_state(addresses, spec.run_id, runtime.stage, spec.limits.max_message_mb,
                                          on_progress=bar.update)
-            await loop.run_in_executor(executor, import_state, runtime, state)
+            await runtime.run(runtime.import_state, state)
         except (StateError, ValueError) as e:
             events.emit("state_download_failed", level=logging.WARNING, source=source, error=str(e)[:300])
             continue
@@ -46,11 +46,11 @@ async def load_initial_state(swarm: SwarmDHT, runtime: StageRuntime, executor: E
     return "seed"
 
 
-async def hand_off_state(swarm: SwarmDHT, runtime: StageRuntime, executor: Executor, events: EventLog) -> str | None:
+async def hand_off_state(swarm: SwarmDHT, runtime: StageRuntime, events: EventLog) -> str | None:
     """Give our newest state to a live replica (it averages it in), else to the coordinator (it checkpoints it)."""
-    state = await asyncio.get_running_loop().run_in_executor(executor, export_state, runtime)
+    state = await runtime.run(runtime.export_state)
     peers = await swarm.stage_peers(runtime.stage)
-    targets = [("replica", r.address) for pid, r in peers.items() if pid != events.peer_id and r.state == "online"]
+    targets = [("replica", r.address) for pid, r in peers.items() if pid != events.peer_id and r.state is PeerState.ONLINE]
     checkpoint = await swarm.checkpoint()
     if checkpoint is not None and checkpoint.url:
         targets.append(("coordinator", checkpoint.url))

@@ -2,7 +2,11 @@
 
 * :func:`download_state`: a joining peer pulls its stage from live replicas, one
   shard per donor in parallel (a failed donor's shard is retried on another), or
-  from the coordinator's checkpoint server.
+  from the coordinator's checkpoint server. Replicas train on between requests and
+  differ from each other, so every shard says which snapshot it belongs to (version
+  and digest) and a set mixed from several is never loaded: the joiner then takes
+  every shard from one donor, whose :class:`DonorSnapshot` serves them all from the
+  same export.
 * :func:`push_state`: a draining peer hands its newest state to a replica or the
   coordinator.
 Both stream :class:`StateChunk` messages; a stream cut off midway fails cleanly
@@ -12,16 +16,46 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Callable
+import time
+from typing import Awaitable, Callable
 
 import grpc
 
 from swarmpipe.peer.transport.channels import channel_options
-from swarmpipe.peer.stage.state import StageState, StateError, assemble, from_chunks, to_chunks
+from swarmpipe.peer.stage.state import MixedState, StageState, StateError, assemble, from_chunks, to_chunks
 from swarmpipe.protos import swarm_pb2, swarm_pb2_grpc
 
 log = logging.getLogger("swarmpipe.state")
 TRANSFER_TIMEOUT_S = 120.0
+SNAPSHOT_TTL_S = 30.0  # a joiner's parallel and retried shard requests arrive well within this
+Shard = tuple[dict, dict]  # (metadata, tensors) of one shard
+
+
+class DonorSnapshot:
+    """The donor's side: one exported state serves every shard request for ``ttl`` seconds, so the
+    shards one joiner fetches in parallel (or retries) agree in version and digest. Holds at most
+    one copy of the state, dropped when it expires."""
+
+    def __init__(self, ttl: float = SNAPSHOT_TTL_S):
+        self.ttl = ttl
+        self._state: StageState | None = None
+        self._taken_at = 0.0
+        self._lock = asyncio.Lock()
+
+    async def get(self, export: Callable[[], Awaitable[StageState]]) -> StageState:
+        async with self._lock:
+            if self._state is None or time.monotonic() - self._taken_at > self.ttl:
+                self._state = await export()
+                self._taken_at = time.monotonic()
+                asyncio.get_running_loop().call_later(self.ttl + 1.0, self._expire)
+            return self._state
+
+    def _expire(self) -> None:
+        if self._state is not None and time.monotonic() - self._taken_at > self.ttl:
+            self._state = None
+
+    def clear(self) -> None:
+        self._state = None
 
 
 async def _download_shard(address: str, run_id: str, stage: int, shard: int, num_shards: int,
@@ -39,7 +73,9 @@ async def _download_shard(address: str, run_id: str, stage: int, shard: int, num
 
 async def download_state(donors: list[str], run_id: str, stage: int, max_message_mb: int = 64,
                          on_progress: Callable[[int, int], None] | None = None) -> StageState:
-    """Pull the stage's state split across ``donors`` (addresses); retries a failed shard elsewhere."""
+    """Pull the stage's state split across ``donors`` (addresses); retries a failed shard elsewhere.
+    Shards from different snapshots are never joined: the whole state is then taken from one donor
+    (the newest first), and a donor whose shards still disagree is skipped."""
     if not donors:
         raise StateError("no donors to download from")
     num_shards = len(donors)
@@ -53,20 +89,34 @@ async def download_state(donors: list[str], run_id: str, stage: int, max_message
                 on_progress(sum(done_chunks), sum(totals))
         return update
 
-    async def fetch(shard: int):
+    async def fetch(shard: int, candidates: list[str]) -> tuple[Shard, str]:
         errors = []
-        for attempt in range(num_shards):
-            address = donors[(shard + attempt) % num_shards]
+        for attempt in range(len(candidates)):
+            address = candidates[(shard + attempt) % len(candidates)]
             try:
-                return await _download_shard(address, run_id, stage, shard, num_shards, max_message_mb, progress(shard))
+                got = await _download_shard(address, run_id, stage, shard, num_shards, max_message_mb, progress(shard))
+                return got, address
             except (grpc.aio.AioRpcError, StateError, ValueError, asyncio.TimeoutError) as e:
                 detail = e.details() if isinstance(e, grpc.aio.AioRpcError) else str(e)
                 errors.append(f"{address}: {detail}")
                 log.warning("state shard %d/%d from %s failed: %s", shard, num_shards, address, detail)
         raise StateError(f"shard {shard} could not be downloaded: {'; '.join(errors)}")
 
-    shards = await asyncio.gather(*(fetch(s) for s in range(num_shards)))
-    return assemble(list(shards))
+    fetched = await asyncio.gather(*(fetch(s, donors) for s in range(num_shards)))
+    try:
+        return assemble([shard for shard, _ in fetched])
+    except MixedState as e:
+        log.info("state shards of stage %d disagree (%s): taking the whole state from one donor", stage, e)
+    newest_first = sorted({a for _, a in fetched}, key=lambda a: -max(int(m.get("version", 0))
+                                                                     for (m, _), b in fetched if b == a))
+    errors = []
+    for donor in newest_first:
+        try:
+            shards = await asyncio.gather(*(fetch(s, [donor]) for s in range(num_shards)))
+            return assemble([shard for shard, _ in shards])
+        except StateError as e:
+            errors.append(f"{donor}: {e}")
+    raise StateError(f"no donor gave a consistent state: {'; '.join(errors)}")
 
 
 async def push_state(address: str, state: StageState, max_message_mb: int = 64, timeout: float = 60.0) -> swarm_pb2.PushStateResponse:

@@ -4,7 +4,7 @@ from __future__ import annotations
 import random
 from typing import Callable
 
-from swarmpipe.peer.swarm.records import StageRecord
+from swarmpipe.peer.swarm.records import PeerState, StageRecord
 from swarmpipe.peer.spec import RunSpec
 
 NEW_PEER_THROUGHPUT = 1.0  # a replica that has not measured yet still counts for something
@@ -15,7 +15,7 @@ def stage_throughputs(stages: list[dict[str, StageRecord]], exclude: str = "") -
     the mean of its measured stage-mates (it will soon do about as much as they do)."""
     totals = []
     for peers in stages:
-        live = [r for pid, r in peers.items() if r.state != "draining" and pid != exclude]
+        live = [r for pid, r in peers.items() if r.state is not PeerState.DRAINING and pid != exclude]
         measured = [r.throughput for r in live if r.throughput > 0]
         prior = sum(measured) / len(measured) if measured else NEW_PEER_THROUGHPUT
         totals.append(sum(r.throughput if r.throughput > 0 else prior for r in live))
@@ -49,7 +49,7 @@ def rebalance_target(stages: list[dict[str, StageRecord]], my_stage: int, my_pee
     and must not make the stage we leave the new bottleneck, so peers do not flap.
     ``estimate(target)`` is our throughput there (default: the same as here)."""
     totals = stage_throughputs(stages)
-    live_here = [pid for pid, r in stages[my_stage].items() if r.state != "draining"]
+    live_here = [pid for pid, r in stages[my_stage].items() if r.state is not PeerState.DRAINING]
     if len(live_here) < 2 or my_peer_id not in live_here:
         return None  # never leave a stage without a live replica
     slowest = min(range(len(totals)), key=totals.__getitem__)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from importlib import resources
 
-from swarmpipe.peer.swarm.records import RunIndexRecord, StageRecord
+from swarmpipe.peer.swarm.records import PeerState, RunIndexRecord, StageRecord
 
 
 def bootstrap_peers(swarm: str) -> list[str]:
@@ -32,7 +32,7 @@ def neediest_run(runs: dict[str, RunIndexRecord], stages_of: dict[str, list[dict
 
     def need(run_id: str) -> tuple[int, float, str]:
         stages = stages_of.get(run_id) or [{} for _ in range(runs[run_id].num_stages)]
-        live = [[r for r in s.values() if r.state != "draining"] for s in stages]
+        live = [[r for r in s.values() if r.state is not PeerState.DRAINING] for s in stages]
         thinnest = min(live, key=len)
         return len(thinnest), sum(r.throughput for r in thinnest), run_id
 

@@ -13,9 +13,10 @@ from __future__ import annotations
 import logging
 import re
 import time
-from typing import Any, Literal, TypeVar
+from enum import Enum
+from typing import Any, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_serializer, field_validator
 
 log = logging.getLogger("swarmpipe.records")
 
@@ -27,6 +28,16 @@ WIRE_PROTOCOL = 1
 _ADDRESS = re.compile(r"^[A-Za-z0-9_.:\-\[\]]{1,255}:\d{1,5}$")
 
 
+class PeerState(str, Enum):
+    """Where a peer is in its life; its record says it, and one owner changes it (peer/stage/lifecycle.py)."""
+    JOINING = "joining"  # serving soon: loading state, not yet routed to
+    ONLINE = "online"  # takes new work
+    DRAINING = "draining"  # finishes what it holds, takes nothing new, then leaves or moves
+
+    def __str__(self) -> str:
+        return self.value
+
+
 class Record(BaseModel):
     # strict: a forged record with "1.5" where a number belongs is rejected, not coerced
     model_config = ConfigDict(extra="ignore", frozen=True, strict=True)
@@ -34,13 +45,17 @@ class Record(BaseModel):
 
 class StageRecord(Record):
     address: str = Field(pattern=_ADDRESS.pattern)
-    state: Literal["joining", "online", "draining"]
+    state: PeerState = Field(strict=False)  # read from the DHT as its string value
     throughput: float = Field(ge=0, le=1e9)
     queue: int = Field(ge=0, le=1_000_000)
     version: int = Field(ge=0)
     updated_at: float
     metrics_address: str = ""
     protocol: int = Field(ge=0, le=1_000_000, default=0)
+
+    @field_serializer("state")
+    def _state_as_string(self, state: PeerState) -> str:
+        return state.value  # msgpack in the DHT carries plain strings
 
     @field_validator("address")
     @classmethod

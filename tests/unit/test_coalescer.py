@@ -37,7 +37,7 @@ def test_lone_request_runs_alone_and_at_once() -> None:
     async def main():
         with ThreadPoolExecutor(1) as ex:
             rec = Recorder()
-            c = Coalescer(ex, rec, max_items=4)
+            c = Coalescer(ex.submit, rec, max_items=4)
             started = time.monotonic()
             assert await c.submit(7) == (7, 1)
             return time.monotonic() - started, rec, c
@@ -50,7 +50,7 @@ def test_requests_queued_behind_a_busy_thread_form_one_batch() -> None:
     async def main():
         with ThreadPoolExecutor(1) as ex:
             rec = Recorder()
-            c = Coalescer(ex, rec, max_items=8)
+            c = Coalescer(ex.submit, rec, max_items=8)
             release = block(ex)
             tasks = [asyncio.create_task(c.submit(i)) for i in range(5)]
             await asyncio.sleep(0.05)
@@ -66,7 +66,7 @@ def test_batches_are_bounded_and_keyed() -> None:
     async def main():
         with ThreadPoolExecutor(1) as ex:
             rec = Recorder()
-            c = Coalescer(ex, rec, max_items=2)
+            c = Coalescer(ex.submit, rec, max_items=2)
             release = block(ex)
             tasks = [asyncio.create_task(c.submit(i, key=i % 2)) for i in range(6)]
             await asyncio.sleep(0.05)
@@ -83,7 +83,7 @@ def test_batches_are_bounded_and_keyed() -> None:
 def test_one_bad_request_fails_alone() -> None:
     async def main():
         with ThreadPoolExecutor(1) as ex:
-            c = Coalescer(ex, Recorder(), max_items=4)
+            c = Coalescer(ex.submit, Recorder(), max_items=4)
             release = block(ex)
             tasks = [asyncio.create_task(c.submit(x)) for x in (1, "bad", 3)]
             await asyncio.sleep(0.05)
@@ -100,7 +100,7 @@ def test_a_failing_batch_function_fails_every_request_in_it() -> None:
 
     async def main():
         with ThreadPoolExecutor(1) as ex:
-            c = Coalescer(ex, broken, max_items=4)
+            c = Coalescer(ex.submit, broken, max_items=4)
             return await asyncio.gather(c.submit(1), c.submit(2), return_exceptions=True)
     results = run(main())
     assert all(isinstance(r, RuntimeError) and "boom" in str(r) for r in results)
@@ -109,7 +109,7 @@ def test_a_failing_batch_function_fails_every_request_in_it() -> None:
 def test_wrong_number_of_results_is_an_error_not_a_hang() -> None:
     async def main():
         with ThreadPoolExecutor(1) as ex:
-            c = Coalescer(ex, lambda items: [], max_items=4)
+            c = Coalescer(ex.submit, lambda items: [], max_items=4)
             return await asyncio.gather(c.submit(1), return_exceptions=True)
     (result,) = run(main())
     assert isinstance(result, RuntimeError) and "0 results for 1" in str(result)
@@ -119,7 +119,7 @@ def test_a_cancelled_request_is_skipped() -> None:
     async def main():
         with ThreadPoolExecutor(1) as ex:
             rec = Recorder()
-            c = Coalescer(ex, rec, max_items=4)
+            c = Coalescer(ex.submit, rec, max_items=4)
             release = block(ex)
             doomed = asyncio.create_task(c.submit("gone"))
             kept = asyncio.create_task(c.submit(2))
@@ -136,7 +136,7 @@ def test_a_wait_gathers_requests_that_arrive_close_together() -> None:
     async def main():
         with ThreadPoolExecutor(1) as ex:
             rec = Recorder()
-            c = Coalescer(ex, rec, max_items=3, wait_s=0.2)
+            c = Coalescer(ex.submit, rec, max_items=3, wait_s=0.2)
             first = asyncio.create_task(c.submit(1))
             await asyncio.sleep(0.05)
             second = asyncio.create_task(c.submit(2))
@@ -152,14 +152,14 @@ def test_a_wait_gathers_requests_that_arrive_close_together() -> None:
 
 def test_max_items_must_be_positive() -> None:
     with pytest.raises(ValueError):
-        Coalescer(ThreadPoolExecutor(1), Recorder(), max_items=0)
+        Coalescer(ThreadPoolExecutor(1).submit, Recorder(), max_items=0)
 
 
 def test_requests_fail_cleanly_once_the_compute_thread_is_shut_down() -> None:
     async def main():
         ex = ThreadPoolExecutor(1)
         ex.shutdown()
-        c = Coalescer(ex, Recorder(), max_items=4)
+        c = Coalescer(ex.submit, Recorder(), max_items=4)
         with pytest.raises(RuntimeError, match="shutdown"):
             await asyncio.wait_for(c.submit(1), 5)
         assert c.pending() == 0
@@ -172,6 +172,6 @@ def test_a_failing_batch_hook_does_not_strand_the_callers() -> None:
 
     async def main():
         with ThreadPoolExecutor(1) as ex:
-            c = Coalescer(ex, Recorder(), max_items=4, on_batch=hook)
+            c = Coalescer(ex.submit, Recorder(), max_items=4, on_batch=hook)
             assert await asyncio.wait_for(c.submit(7), 5) == (7, 1)
     run(main())

@@ -234,3 +234,11 @@ def test_betas_must_have_two_values() -> None:
 def test_table_for_string_field_raises_spec_error() -> None:
     with pytest.raises(SpecError):
         spec_from_dict({"run_id": {"x": 1}})
+
+
+def test_retired_checkpoint_every_is_accepted_and_ignored(caplog) -> None:
+    """It never did anything (the coordinator's --checkpoint-every counts seconds); a spec published by an
+    older coordinator still carries it and must still load."""
+    spec = spec_from_dict({"checkpoint_every": 100, "num_stages": 3})
+    assert spec.num_stages == 3 and not hasattr(spec, "checkpoint_every")
+    assert "retired field(s) checkpoint_every" in caplog.text

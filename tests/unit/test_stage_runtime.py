@@ -280,13 +280,12 @@ def test_expire_by_version() -> None:
 
 def test_averaging_in_a_newer_replica_does_not_make_held_forwards_stale() -> None:
     """A version jump from averaging is not local updates: the delay clock is this runtime's own steps."""
-    from swarmpipe.peer.stage.state import average_into, export_state
-
+    
     spec = make_spec(2, lr=1e-3, max_staleness=2)
     rt, ahead = runtime(spec, 1), runtime(spec, 1)
     ahead.version = 500  # a replica that has been training much longer
     out = rt.forward("held", hidden(spec))
-    average_into(rt, export_state(ahead))
+    rt.blend(ahead.export_state())
     assert rt.version == 500
     assert rt.expire() == 0 and "held" in rt.pending
     result = rt.backward("held", torch.randn_like(out))
@@ -436,3 +435,35 @@ def test_other_optimizers_step(kind: str) -> None:
     r = rt.forward_backward(hidden(spec), data(spec)[1])
     assert r.applied and rt.version == 1
     assert any(not torch.equal(w, before[n]) for n, w in weights(rt.module).items())
+
+
+def test_without_stashing_the_backward_differentiates_the_live_weights():
+    """optimizer.stash = false means it: nothing but the input is kept, and a backward that arrives after
+    an update gets the gradient at the live weights (not at the ones its forward saw)."""
+    from torch.func import functional_call
+
+    from swarmpipe.peer.spec import load_spec
+
+    spec = load_spec(num_stages=2, model={"d_model": 32, "n_layers": 2, "n_heads": 2, "seq_len": 16},
+                     optimizer={"kind": "adamw", "warmup_steps": 0, "stash": False, "clip_norm": 0.0})
+    rt = StageRuntime(spec, 0)
+    gen = torch.Generator().manual_seed(0)
+    x_old, x_new = (torch.randint(0, 256, (2, 16), generator=gen) for _ in range(2))
+    out_old = rt.forward("old", x_old)
+    assert rt.pending["old"].params is None and not rt.pending["old"].output.requires_grad
+    out_new = rt.forward("new", x_new)
+    rt.backward("new", torch.randn(out_new.shape, generator=gen))  # one update: the weights moved
+    assert rt.version == 1
+    live = {n: p.detach().clone().requires_grad_(True) for n, p in rt.module.named_parameters()}
+    grad_out = torch.randn(out_old.shape, generator=gen)
+    expected = torch.autograd.grad(functional_call(rt.module, live, (x_old,)), list(live.values()), grad_out,
+                                   allow_unused=True)
+    captured = {}
+    rt.optimizer.step = lambda: captured.update({n: p.grad.clone() for n, p in rt.module.named_parameters()
+                                                 if p.grad is not None})
+    result = rt.backward("old", grad_out)
+    assert result.applied and result.delay == 1
+    for (name, _), g in zip(live.items(), expected):
+        if g is not None and name in captured:
+            assert torch.allclose(captured[name], g, atol=1e-6), name
+    assert captured
