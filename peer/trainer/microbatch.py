@@ -9,22 +9,30 @@ A micro-batch ends ``completed`` (stage 0 acknowledged its backward),
 ``dropped_stale`` (a stage refused the gradient as too old), or ``failed``
 (a stage had no live replica for ``wait_timeout``, or every replica rejected it
 as invalid). A replica that moved to another stage is dropped from the view.
+
+The runner only reports: ``run`` returns a ``MicrobatchOutcome`` and the
+trainer folds it into its progress. While waiting for a replica it asks the
+``SwarmView`` it holds for a fresh read of the DHT.
 """
 from __future__ import annotations
 
 import asyncio
+import enum
 import logging
 import time
-from typing import Awaitable, Callable
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import TypeVar
 
 import grpc
 import torch
 
+from swarmpipe.peer.events import EventLog, short_id
+from swarmpipe.peer.spec import RunSpec
+from swarmpipe.peer.trainer.routing import PeerView
+from swarmpipe.peer.trainer.swarm_view import SwarmView
 from swarmpipe.peer.transport.channels import ChannelPool
 from swarmpipe.peer.transport.codec_policy import CodecPolicy, ErrorFeedback
-from swarmpipe.peer.events import EventLog, short_id
-from swarmpipe.peer.trainer.routing import PeerView, Router
-from swarmpipe.peer.spec import RunSpec
 from swarmpipe.peer.transport.streaming import StreamingCaller
 from swarmpipe.peer.transport.wire import WireError, decode, encode, encode_parts
 from swarmpipe.protos import swarm_pb2
@@ -36,6 +44,7 @@ CALLER_ERRORS = (grpc.StatusCode.INVALID_ARGUMENT,)
 # "I serve another stage now": the peer rebalanced since our last DHT refresh. Not its fault, not ours.
 MOVED = grpc.StatusCode.FAILED_PRECONDITION
 WAIT_LOG_PERIOD_S = 10.0
+T = TypeVar("T")
 
 
 class NoReplica(RuntimeError):
@@ -46,21 +55,44 @@ class Rejected(RuntimeError):
     """Every live replica of a stage called the request invalid: this micro-batch cannot go on."""
 
 
+class MicrobatchStatus(str, enum.Enum):
+    COMPLETED = "completed"  # stage 0 acknowledged its backward; every stage applied the gradient
+    DROPPED_STALE = "dropped_stale"  # ran to the end, but some stage refused its gradient as too old
+    FAILED = "failed"  # stopped part way: no live replica for wait_timeout, or every replica rejected it
+
+
+@dataclass(frozen=True)
+class MicrobatchOutcome:
+    """How one micro-batch ended: what ``MicrobatchRunner.run`` returns and the trainer counts."""
+
+    microbatch_id: str
+    status: MicrobatchStatus
+    loss: float | None = None  # the last stage's loss; None when it failed before (or at) the last stage
+    retries: int = 0  # calls sent again: forwards retried on another replica plus backwards replayed
+    reason: str = ""  # why it failed, or which stages dropped it as stale; empty when completed
+
+
+@dataclass
+class Journey:
+    """One micro-batch's own tally while it runs; local to one ``run`` call, never shared."""
+
+    retries: int = 0
+    stale_stages: list[int] = field(default_factory=list)
+
+
 class MicrobatchRunner:
-    def __init__(self, spec: RunSpec, router: Router, progress, events: EventLog, call_timeout: float,
-                 wait_timeout: float, refresh: Callable[[], Awaitable[None]]):
+    def __init__(self, spec: RunSpec, view: SwarmView, events: EventLog, call_timeout: float, wait_timeout: float):
         self.spec = spec
-        self.router = router
-        self.progress = progress
+        self.view = view
+        self.router = view.router
         self.events = events
         self.call_timeout = call_timeout
         self.wait_timeout = wait_timeout
-        self.refresh = refresh
         self.pool = ChannelPool(spec.limits.max_message_mb)
         cap = spec.limits.max_message_mb << 20
         # Above 1 MiB (or half the cap) a tensor goes as a chunked stream: no message nears the cap.
         self.caller = StreamingCaller(threshold_bytes=min(1 << 20, cap // 2), chunk_bytes=min(1 << 20, cap // 2),
-                                      max_total_bytes=getattr(spec.limits, "max_stream_mb", 1024) << 20)
+                                      max_total_bytes=spec.limits.max_stream_mb << 20)
         self.act_codec = spec.compression.activations  # "auto": chosen per hop from measured bandwidth
         self.grad_codec = spec.compression.gradients
         self.policy = CodecPolicy()
@@ -71,33 +103,40 @@ class MicrobatchRunner:
         await self.pool.close()
 
     # ------------------------------------------------------------ the journey
-    async def run(self, mb_id: str, tokens: torch.Tensor, targets: torch.Tensor) -> None:
+    async def run(self, mb_id: str, tokens: torch.Tensor, targets: torch.Tensor) -> MicrobatchOutcome:
+        """Take one micro-batch through every stage and back. Never raises for a micro-batch's own failure:
+        that is an outcome; only a bug or cancellation escapes."""
         P = self.spec.num_stages
+        journey = Journey()
         inputs: list[torch.Tensor] = [tokens]
         peers: list[PeerView] = []
         try:
             for stage in range(P - 1):
-                out, view = await self._with_retries(stage, lambda v, s=stage: self._forward(v, s, mb_id, inputs[s]))
+                out, view = await self._with_retries(
+                    stage, lambda v, s=stage: self._forward(v, s, mb_id, inputs[s]), journey)
                 inputs.append(out)
                 peers.append(view)
             (loss, grad, dropped), _ = await self._with_retries(
-                P - 1, lambda v: self._forward_backward(v, P - 1, mb_id, inputs[P - 1], targets))
-            stale = dropped
+                P - 1, lambda v: self._forward_backward(v, P - 1, mb_id, inputs[P - 1], targets), journey)
+            if dropped:
+                journey.stale_stages.append(P - 1)
             for stage in range(P - 2, -1, -1):
-                grad, dropped = await self._backward(stage, mb_id, peers[stage], inputs[stage], grad)
-                stale = stale or dropped
+                grad, dropped = await self._backward(stage, mb_id, peers[stage], inputs[stage], grad, journey)
+                if dropped:
+                    journey.stale_stages.append(stage)
         except (NoReplica, Rejected) as e:
-            self.progress.failed += 1
             self.events.emit("microbatch_failed", level=logging.ERROR, microbatch=mb_id, reason=str(e))
-            return
-        if stale:
-            self.progress.dropped_stale += 1
-        else:
-            self.progress.completed += 1
-        self.progress.losses.append(loss)
+            return MicrobatchOutcome(mb_id, MicrobatchStatus.FAILED, retries=journey.retries, reason=str(e))
+        if journey.stale_stages:
+            stages = ", ".join(map(str, journey.stale_stages))
+            return MicrobatchOutcome(mb_id, MicrobatchStatus.DROPPED_STALE, loss=loss, retries=journey.retries,
+                                     reason=f"gradient dropped as stale by stage {stages}")
+        return MicrobatchOutcome(mb_id, MicrobatchStatus.COMPLETED, loss=loss, retries=journey.retries)
 
     async def _backward(self, stage: int, mb_id: str, view: PeerView, inputs: torch.Tensor,
-                        grad: torch.Tensor) -> tuple[torch.Tensor | None, bool]:
+                        grad: torch.Tensor, journey: Journey) -> tuple[torch.Tensor | None, bool]:
+        """Backward on the replica that ran the forward (it kept the activations); when that fails,
+        replay it elsewhere from the kept input. A replay counts as a retry."""
         try:
             self.router.started(view)
             result = await self._timed(view, self._backward_call(view, stage, mb_id, grad, None))
@@ -105,15 +144,18 @@ class MicrobatchRunner:
         except (grpc.aio.AioRpcError, asyncio.TimeoutError, WireError) as e:
             reason = _reason(e)
             self._failed(view, e)
-            self.progress.retried += 1
+            journey.retries += 1
             self.events.emit("replay", level=logging.WARNING, stage=stage, microbatch=mb_id,
                              peer=short_id(view.peer_id), reason=reason)
-        (grad_in, dropped), _ = await self._with_retries(stage, lambda v: self._backward_call(v, stage, mb_id, grad, inputs))
+        (grad_in, dropped), _ = await self._with_retries(
+            stage, lambda v: self._backward_call(v, stage, mb_id, grad, inputs), journey)
         return grad_in, dropped
 
     # ------------------------------------------------------------ retries
-    async def _with_retries(self, stage: int, call):
-        """Run ``call(view)`` on the best replica; on failure, ban and try another; wait when none is alive."""
+    async def _with_retries(self, stage: int, call: Callable[[PeerView], Awaitable[T]],
+                            journey: Journey) -> tuple[T, PeerView]:
+        """Run ``call(view)`` on the best replica; on failure, ban and try another; wait when none is alive.
+        Every attempt after the first counts as a retry in ``journey``."""
         tried: set[str] = set()
         rejected: set[str] = set()  # replicas that called the request invalid
         first_attempt = True
@@ -125,7 +167,7 @@ class MicrobatchRunner:
                 continue
             self._waiting_since.pop(stage, None)
             if not first_attempt:
-                self.progress.retried += 1
+                journey.retries += 1
             first_attempt = False
             self.router.started(view)
             try:
@@ -149,7 +191,7 @@ class MicrobatchRunner:
             return 0.0
         return self.router.failed(view, ban=_should_ban(e))
 
-    async def _timed(self, view: PeerView, awaitable):
+    async def _timed(self, view: PeerView, awaitable: Awaitable[T]) -> T:
         started = time.monotonic()
         result = await asyncio.wait_for(awaitable, self.call_timeout)
         self.router.succeeded(view, time.monotonic() - started)
@@ -162,7 +204,7 @@ class MicrobatchRunner:
             raise NoReplica(f"stage {stage} has had no live replica for {self.wait_timeout:.0f}s")
         if int(t - since) % WAIT_LOG_PERIOD_S < 1.0:
             self.events.emit("waiting_for_replica", level=logging.WARNING, stage=stage, waited_s=round(t - since))
-        await self.refresh()
+        await self.view.refresh_now()  # a replica may have joined (or moved here) since the last read
         await asyncio.sleep(1.0)
 
     # ------------------------------------------------------------ calls

@@ -4,6 +4,12 @@ No pipeline flush: up to ``in_flight`` micro-batches are anywhere in the
 pipeline at once, and every stage updates after each backward. Each call has a
 deadline; a failed forward is retried on another replica; a backward whose
 forward peer is gone is replayed on another replica from the input we kept.
+
+The parts talk one way. The trainer launches each micro-batch on the
+``MicrobatchRunner`` and folds the ``MicrobatchOutcome`` it returns into its
+``Progress``; the runner never sees the progress. The ``SwarmView`` keeps the
+router current from the DHT on its own; the runner holds it and asks for an
+early read only while it waits for a replica.
 """
 from __future__ import annotations
 
@@ -13,52 +19,21 @@ import logging
 import os
 import signal
 import time
-from collections import deque
-from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
-from swarmpipe.peer.swarm.bootstrap import resolve_initial_peers
 from swarmpipe.peer.config import TrainerConfig
-from swarmpipe.peer.trainer.data import BatchSampler, CorpusSplit, load_corpus
 from swarmpipe.peer.events import EventLog
-from swarmpipe.peer.trainer.microbatch import MicrobatchRunner
-from swarmpipe.peer.swarm.records import TrainerRecord, now
-from swarmpipe.peer.trainer.routing import Router
+from swarmpipe.peer.swarm.bootstrap import resolve_initial_peers
 from swarmpipe.peer.swarm.dht import SwarmDHT, reconnect_bootstrap, start_dht
+from swarmpipe.peer.trainer.data import BatchSampler, CorpusSplit, load_corpus
+from swarmpipe.peer.trainer.microbatch import MicrobatchRunner
+from swarmpipe.peer.trainer.progress import Progress
+from swarmpipe.peer.trainer.routing import Router
+from swarmpipe.peer.trainer.swarm_view import SwarmView
 
 log = logging.getLogger("swarmpipe.trainer")
-REFRESH_PERIOD_S = 2.0
-LOSS_WINDOW = 10
-
-
-@dataclass
-class Progress:
-    started: int = 0
-    completed: int = 0
-    retried: int = 0
-    dropped_stale: int = 0
-    failed: int = 0
-    losses: list[float] = field(default_factory=list)
-    t0: float = field(default_factory=time.monotonic)
-    marks: deque = field(default_factory=deque)
-
-    def samples_per_s(self, microbatch_size: int) -> float:
-        elapsed = time.monotonic() - self.t0
-        return self.completed * microbatch_size / elapsed if elapsed > 0 else 0.0
-
-    def recent_samples_per_s(self, microbatch_size: int, window_s: float = 10.0) -> float:
-        """Rate over the last ``window_s`` seconds: what the swarm does now, not since the start."""
-        t = time.monotonic()
-        self.marks.append((t, self.completed))
-        while len(self.marks) > 2 and self.marks[1][0] < t - window_s:
-            self.marks.popleft()
-        t0, c0 = self.marks[0]
-        return (self.completed - c0) * microbatch_size / (t - t0) if t > t0 else 0.0
-
-    def loss_ema(self) -> float | None:
-        window = self.losses[-LOSS_WINDOW:]
-        return sum(window) / len(window) if window else None
 
 
 class Trainer:
@@ -69,7 +44,7 @@ class Trainer:
         self.dht = None
         self.initial_peers: list[str] = []
 
-    async def run(self) -> dict:
+    async def run(self) -> dict[str, Any]:
         cfg = self.cfg
         torch.set_num_threads(max(1, cfg.threads))
         # SIGTERM / Ctrl-C: stop starting micro-batches, finish those in flight, write the report.
@@ -83,7 +58,7 @@ class Trainer:
         finally:
             self.dht.shutdown()
 
-    async def _train(self) -> dict:
+    async def _train(self) -> dict[str, Any]:
         cfg = self.cfg
         self.events.peer_id = self.dht.peer_id.to_base58()
         if not cfg.run_id:
@@ -95,26 +70,27 @@ class Trainer:
         spec = await swarm.wait_for_spec(cfg.spec_timeout, initial_peers=self.initial_peers)
         corpus = await asyncio.to_thread(load_corpus, cfg.data or None)
         sampler = BatchSampler(CorpusSplit.from_bytes(corpus).train, spec.microbatch_size, spec.model.seq_len, cfg.seed)
-        router = Router(spec.num_stages)
-        runner = MicrobatchRunner(spec, router, self.progress, self.events, cfg.call_timeout, cfg.wait_timeout,
-                                  refresh=lambda: self._refresh(swarm, router, spec.num_stages))
-        await self._refresh(swarm, router, spec.num_stages)
-        self.events.emit("training", run_id=cfg.run_id, stages=spec.num_stages, steps=cfg.steps,
-                         peers=len(router.peers), corpus_bytes=len(corpus))
-        in_flight = cfg.in_flight or 2 * spec.num_stages
-        background = [asyncio.create_task(self._refresh_loop(swarm, router, spec.num_stages)),
-                      asyncio.create_task(self._announce_loop(swarm, spec.microbatch_size))]
-        bar = self._progress_bar(spec.microbatch_size)
+        view = SwarmView(swarm, Router(spec.num_stages))
+        runner = MicrobatchRunner(spec, view, self.events, cfg.call_timeout, cfg.wait_timeout)
+        announce: asyncio.Task[None] | None = None
+        bar = None
         try:
+            await view.start()  # the first read: its failure ends the run, as there is nothing to route to
+            self.events.emit("training", run_id=cfg.run_id, stages=spec.num_stages, steps=cfg.steps,
+                             peers=len(view.router.peers), corpus_bytes=len(corpus))
+            in_flight = cfg.in_flight or 2 * spec.num_stages
+            announce = asyncio.create_task(self._announce_loop(swarm, spec.microbatch_size))
+            bar = self._progress_bar(spec.microbatch_size)
             await self._drive(runner, sampler, in_flight, bar)
         finally:
-            for task in background:
-                task.cancel()
+            if announce is not None:
+                announce.cancel()
+            await view.stop()
             await runner.close()
             if bar is not None:
                 bar.close()
-        report = self._report(spec.microbatch_size)
-        await swarm.announce_trainer(self._record(spec.microbatch_size), ttl=60)
+        report = self.progress.report(cfg.run_id, spec.microbatch_size)
+        await swarm.announce_trainer(self.progress.record(spec.microbatch_size), ttl=60)
         self.events.emit("finished", **{k: v for k, v in report.items() if k != "losses"})
         if cfg.report:
             tmp = cfg.report + ".tmp"
@@ -130,7 +106,7 @@ class Trainer:
         tasks: set[asyncio.Task] = set()
         last_event = 0.0
         deadline = time.monotonic() + self.cfg.max_time if self.cfg.max_time > 0 else float("inf")
-        while p.completed + p.dropped_stale + p.failed < target:
+        while p.ended < target:
             if self.stop_requested.is_set() or time.monotonic() > deadline:
                 self.events.emit("stopping", step=p.completed, in_flight=len(tasks),
                                  reason="signal" if self.stop_requested.is_set() else "max_time")
@@ -138,8 +114,8 @@ class Trainer:
             flush = self.cfg.flush_every
             while len(tasks) < in_flight and p.started < target and not (flush and p.started % flush == 0 and tasks):
                 inputs, targets = sampler.next()
-                p.started += 1
-                tasks.add(asyncio.create_task(runner.run(f"{self.events.peer_id[-8:]}-{p.started}", inputs, targets)))
+                mb_id = f"{self.events.peer_id[-8:]}-{p.start()}"
+                tasks.add(asyncio.create_task(self._run_and_count(runner, mb_id, inputs, targets)))
             done, tasks = await asyncio.wait(tasks, timeout=1.0, return_when=asyncio.FIRST_COMPLETED)
             for task in done:
                 task.result()  # a runner never raises except on a fatal error: let it surface
@@ -157,29 +133,16 @@ class Trainer:
         if tasks:
             await asyncio.gather(*tasks)
 
+    async def _run_and_count(self, runner: MicrobatchRunner, mb_id: str, inputs: torch.Tensor,
+                             targets: torch.Tensor) -> None:
+        # Folded the moment it ends, so losses keep the order micro-batches finished in.
+        self.progress.apply(await runner.run(mb_id, inputs, targets))
+
     def _progress_bar(self, microbatch_size: int):
         if not self.cfg.progress:
             return None
         from tqdm import tqdm
         return tqdm(total=self.cfg.steps, desc="training", unit="mb", dynamic_ncols=True)
-
-    async def _refresh(self, swarm: SwarmDHT, router: Router, num_stages: int) -> None:
-        for stage, records in enumerate(await swarm.all_stages(num_stages)):
-            router.update_stage(stage, records)
-
-    async def _refresh_loop(self, swarm: SwarmDHT, router: Router, num_stages: int) -> None:
-        while True:
-            await asyncio.sleep(REFRESH_PERIOD_S)
-            try:
-                await self._refresh(swarm, router, num_stages)
-            except Exception as e:  # keep training on the last known view
-                log.warning("trainer refresh failed: %s", e)
-
-    def _record(self, microbatch_size: int) -> TrainerRecord:
-        p = self.progress
-        return TrainerRecord(step=p.completed, loss=p.loss_ema(), samples_per_s=p.samples_per_s(microbatch_size),
-                             microbatches_completed=p.completed, microbatches_retried=p.retried,
-                             microbatches_lost=self._lost(), updated_at=now())
 
     async def _announce_loop(self, swarm: SwarmDHT, microbatch_size: int) -> None:
         rounds = 0
@@ -188,32 +151,7 @@ class Trainer:
             try:
                 if rounds % 3 == 0:  # find a restarted coordinator again
                     await reconnect_bootstrap(self.dht, self.initial_peers)
-                await swarm.announce_trainer(self._record(microbatch_size), ttl=3 * self.cfg.announce_period)
+                await swarm.announce_trainer(self.progress.record(microbatch_size), ttl=3 * self.cfg.announce_period)
             except Exception as e:
                 log.warning("trainer announce failed: %s", e)
             await asyncio.sleep(self.cfg.announce_period)
-
-    def _lost(self) -> int:
-        """Micro-batches that ended neither completed nor counted as dropped (the goal: always 0)."""
-        p = self.progress
-        return p.failed
-
-    def _report(self, microbatch_size: int) -> dict:
-        p = self.progress
-        first = p.losses[:LOSS_WINDOW]
-        last = p.losses[-LOSS_WINDOW:]
-        return {
-            "run_id": self.cfg.run_id,
-            "steps": p.completed,
-            "microbatches_started": p.started,
-            "microbatches_completed": p.completed,
-            "microbatches_retried": p.retried,
-            "microbatches_dropped_stale": p.dropped_stale,
-            "microbatches_lost": self._lost(),
-            "microbatches_unfinished": p.started - p.completed - p.dropped_stale - p.failed,
-            "loss_first": sum(first) / len(first) if first else None,
-            "loss_last": sum(last) / len(last) if last else None,
-            "samples_per_s": p.samples_per_s(microbatch_size),
-            "elapsed_s": time.monotonic() - p.t0,
-            "losses": p.losses,
-        }
