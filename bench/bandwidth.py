@@ -29,7 +29,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench.pipeline import LocalSwarm, summarize, write_results  # noqa: E402
+from bench.pipeline import BenchSwarm, summarize, write_results  # noqa: E402
 from swarmpipe.peer.transport.codecs import allowed_in_spec  # noqa: E402
 from swarmpipe.peer.transport.wire import encoded_size  # noqa: E402
 
@@ -138,7 +138,7 @@ def main() -> None:
         link.create()
         print(f"link {link.root_ip} <-> {link.ns_ip} ({link.ns}): {link.shaping}", flush=True)
         for codec in args.codecs:
-            swarm = LocalSwarm(workroot / codec, args.stages, d_model=args.d_model, seq_len=args.seq_len,
+            swarm = BenchSwarm(workroot / codec, args.stages, d_model=args.d_model, seq_len=args.seq_len,
                                mb=args.microbatch, codec=codec, host=link.root_ip)
             try:
                 swarm.start(peer_hosts={args.stages - 1: (link.ns_ip, link.prefix())})

@@ -19,11 +19,11 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench.pipeline import LocalSwarm, summarize, write_results  # noqa: E402
+from bench.pipeline import BenchSwarm, summarize, write_results  # noqa: E402
 
 
-def batching_table(max_batch: int) -> str:
-    return f"\n[batching]\nmax_microbatches = {max_batch}\nwait_ms = 0\nbackward_wait_ms = 10\n"
+def batching_table(max_batch: int) -> dict[str, dict]:
+    return {"batching": {"max_microbatches": max_batch, "wait_ms": 0, "backward_wait_ms": 10}}
 
 
 def main() -> None:
@@ -48,8 +48,8 @@ def main() -> None:
     try:
         for name, max_batch in configs.items():
             (workdir / name).mkdir()
-            swarms[name] = LocalSwarm(workdir / name, args.stages, d_model=args.d_model, seq_len=args.seq_len, mb=mb,
-                                      run_id=f"bench-{name}", extra_spec=batching_table(max_batch))
+            swarms[name] = BenchSwarm(workdir / name, args.stages, d_model=args.d_model, seq_len=args.seq_len, mb=mb,
+                                      run_id=f"bench-{name}", spec_settings=batching_table(max_batch))
             swarms[name].start()
             swarms[name].train("warmup", 20, "--in-flight", "2")
         for r in range(args.rounds):

@@ -18,6 +18,8 @@ import os
 import socket
 import sys
 import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Callable
 
 import torch
 
@@ -26,6 +28,7 @@ from swarmpipe.peer.transport.channels import tune_allocator  # noqa: E402
 from swarmpipe.peer.stage.metrics import PeerMetrics  # noqa: E402
 from swarmpipe.peer.spec import LimitsSpec, ModelSpec, RunSpec  # noqa: E402
 from swarmpipe.peer.stage.server import StageServicer, start_server  # noqa: E402
+from swarmpipe.peer.swarm.records import PeerState  # noqa: E402
 from swarmpipe.peer.transport.streaming import frames  # noqa: E402
 from swarmpipe.peer.transport.wire import encode_parts  # noqa: E402
 from swarmpipe.protos import swarm_pb2  # noqa: E402
@@ -35,7 +38,8 @@ MAX_BYTES = 80 << 20
 
 
 class IdentityRuntime:
-    """Just enough of StageRuntime for the servicer: a middle stage whose forward is the identity."""
+    """Just enough of StageRuntime for the servicer: a middle stage whose forward is the identity,
+    run on one compute thread as a real stage's is."""
 
     def __init__(self, spec: RunSpec):
         self.spec, self.stage, self.version = spec, 1, 0
@@ -43,6 +47,13 @@ class IdentityRuntime:
         self.stats = type("S", (), {"samples": 0, "dropped_stale": 0, "busy_seconds": 0.0, "steps": 0})()
         self.pending: dict = {}
         self.max_pending = 256
+        self._compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix="compute")
+
+    def submit(self, fn: Callable[[], Any]) -> Future:
+        return self._compute.submit(fn)
+
+    async def run(self, fn: Callable[..., Any], *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self._compute, fn, *args)
 
     def forward(self, mb_id: str, x: torch.Tensor) -> torch.Tensor:
         return x
@@ -71,7 +82,7 @@ async def serve_stage(width: int, variant: str = "", canned_bytes: int = 1 << 20
     """``variant`` (for bench/call_breakdown.py): "inline" runs the identity forward on the event loop
     (no coalescer, no compute thread); "canned" answers every Stream with a reply prepared up front."""
     servicer = StageServicer(IdentityRuntime(stage_spec(width)), "bench-peer", PeerMetrics())
-    servicer.state = "online"
+    servicer.lifecycle.change(PeerState.ONLINE)
     if variant == "inline":
         async def forward_inline(item, key=()):
             return item[1], None

@@ -41,103 +41,53 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import grpc
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from swarmpipe.cli.launcher import ProcessGroup, read_json, wait_for  # noqa: E402
+from swarmpipe.cli.launcher import wait_for  # noqa: E402
+from swarmpipe.cli.local_swarm import LocalSwarm  # noqa: E402
 from swarmpipe.peer.transport.wire import decode, encode  # noqa: E402
 from swarmpipe.protos import swarm_pb2, swarm_pb2_grpc  # noqa: E402
 
-SPEC = """
-run_id = "{run_id}"
-num_stages = {stages}
-microbatch_size = {mb}
-seed = 0
-averaging_interval_s = 0
-checkpoint_every = 1000000
 
-[model]
-d_model = {d_model}
-n_layers = {stages}
-n_heads = 4
-seq_len = {seq_len}
-
-[optimizer]
-kind = "adamw"
-lr = 1e-3
-warmup_steps = 5
-
-[update]
-max_staleness = 64
-
-[compression]
-activations = "{codec}"
-gradients = "{codec}"
-
-[limits]
-max_message_mb = 64
-"""
-
-
-class LocalSwarm:
-    """A coordinator and one peer per stage as subprocesses; ``peer_prefix`` wraps a peer's command
-    (e.g. ``ip netns exec NS``) when ``wrap`` says so for that stage."""
+class BenchSwarm(LocalSwarm):
+    """A coordinator and one peer per stage (the shared :class:`LocalSwarm`), plus the bench's own
+    measurements: every peer's ``Info`` polled while a trainer runs."""
 
     def __init__(self, workdir: Path, stages: int, d_model: int = 128, seq_len: int = 64, mb: int = 16,
-                 codec: str = "fp16", host: str = "127.0.0.1", run_id: str = "bench", extra_spec: str = ""):
-        self.workdir, self.stages, self.host, self.run_id = Path(workdir), stages, host, run_id
-        self.group = ProcessGroup(self.workdir, env={"SWARMPIPE_LOG_LEVEL": "WARNING"})
-        self.spec_values = dict(run_id=run_id, stages=stages, mb=mb, d_model=d_model, seq_len=seq_len, codec=codec)
-        self.extra_spec = extra_spec  # whole TOML tables appended to the spec
-        self.maddr = ""
+                 codec: str = "fp16", host: str = "127.0.0.1", run_id: str = "bench",
+                 spec_settings: dict[str, Any] | None = None):
+        # No checkpoints and the trainer's default announce period: nothing but the pipeline competes for cores.
+        super().__init__(Path(workdir), run_id=run_id, log_level="WARNING", host=host, peer_announce_period=1.0,
+                         trainer_announce_period=None, checkpoints=False)
+        self.stages = stages
+        # The one spec template at the bench's sizes, no averaging or checkpoints; spec_settings (top-level
+        # keys or whole tables, e.g. {"batching": {...}}) replace the bench's own.
+        settings = {"averaging_interval_s": 0, "checkpoint_every": 1000000, "update": {"max_staleness": 64},
+                    "compression": {"activations": codec, "gradients": codec}, **(spec_settings or {})}
+        self.spec_knobs: dict[str, Any] = dict(d_model=d_model, seq_len=seq_len, microbatch_size=mb, lr=1e-3,
+                                               max_message_mb=64, settings=settings)
         self.peers: list[dict] = []  # ready-file contents, by stage
         self._stubs: list = []
-        self._n = 0
 
     def start(self, peer_hosts: dict[int, tuple[str, list[str]]] | None = None) -> None:
-        """``peer_hosts``: stage -> (host, command prefix) for peers that live elsewhere (a namespace)."""
-        spec = self.workdir / "spec.toml"
-        spec.write_text(SPEC.format(**self.spec_values) + self.extra_spec)
-        peers_file = self.workdir / "initial_peers.txt"
-        coord = self.group.start("coordinator", "coordinator", "--spec", str(spec), "--http-port", "0",
-                                 "--peers-file", str(peers_file), "--checkpoint-every", "0", "--host", self.host)
-        wait_for(peers_file.exists, 120, "coordinator initial peers", procs=[coord])
-        self.maddr = peers_file.read_text().split()[0]
+        """``peer_hosts``: stage -> (host, command prefix) for peers that live elsewhere (``ip netns exec NS``)."""
+        self.start_coordinator(self.write_spec(self.stages, **self.spec_knobs))
         launched = []
         for s in range(self.stages):
-            host, prefix = (peer_hosts or {}).get(s, (self.host, []))
-            ready = self.workdir / f"peer-s{s}.ready"
-            args = ["--initial-peers", self.maddr, "--run-id", self.run_id, "--stage", str(s), "--ready-file", str(ready),
-                    "--announce-period", "1", "--host", host]
-            launched.append((ready, self._start_role(f"peer-s{s}", "peer", args, prefix)))
-        for ready, proc in launched:
-            self.peers.append(wait_for(lambda r=ready: read_json(r), 180, f"{proc.name} to serve", procs=[proc]))
+            host, prefix = (peer_hosts or {}).get(s, (self.host, None))
+            launched.append(self.start_peer(s, wait=False, name=f"peer-s{s}", host=host, prefix=prefix))
+        self.peers = [self.wait_ready(p, timeout=180) for p in launched]
         self._stubs = [swarm_pb2_grpc.StageStub(grpc.insecure_channel(p["address"])) for p in self.peers]
-
-    def _start_role(self, name: str, role: str, args: list[str], prefix: list[str]):
-        if not prefix:
-            return self.group.start(name, role, *args)
-        # Same bookkeeping as ProcessGroup.start, with a command prefix (ip netns exec NS).
-        import subprocess
-        from swarmpipe.cli.launcher import Launched
-        log_path = self.workdir / f"{name}.log"
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **self.group.env}
-        with open(log_path, "ab") as log:
-            proc = subprocess.Popen([*prefix, sys.executable, "-m", "swarmpipe.cli.main", role, *args], stdout=log,
-                                    stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, start_new_session=True,
-                                    cwd=os.getcwd())
-        launched = Launched(name, proc, log_path)
-        self.group.procs.append(launched)
-        return launched
 
     def info(self) -> list[swarm_pb2.InfoResponse]:
         return [stub.Info(swarm_pb2.InfoRequest(run_id=self.run_id), timeout=10) for stub in self._stubs]
 
     def train(self, name: str, steps: int, *args: str, timeout: float = 900) -> tuple[dict, list[tuple]]:
         """Run one trainer to the end while polling every peer's Info; returns (report, polls)."""
-        report = self.workdir / f"{name}.json"
         polls: list[tuple] = []
         stop = threading.Event()
 
@@ -153,22 +103,14 @@ class LocalSwarm:
 
         poll_thread = threading.Thread(target=poll, daemon=True)
         poll_thread.start()
-        trainer = self.group.start(name, "train", "--initial-peers", self.maddr, "--run-id", self.run_id,
-                                   "--steps", str(steps), "--no-progress", "--report", str(report),
-                                   "--call-timeout", "120", "--host", self.host, *args)
+        trainer, report = self.start_trainer(steps, "--call-timeout", "120", *args, name=name)
         try:
             wait_for(lambda: not trainer.alive(), timeout, f"trainer {name} to finish", poll=0.5)
         finally:
             time.sleep(0.6)  # one more poll after the last backward
             stop.set()
             poll_thread.join()
-        data = read_json(report)
-        if data is None:
-            raise RuntimeError(f"trainer {name} wrote no report (exit {trainer.proc.returncode}):\n{trainer.log_text()[-3000:]}")
-        return data, polls
-
-    def stop(self) -> None:
-        self.group.stop_all()
+        return self.wait_report(trainer, report, timeout=10), polls
 
 
 def write_results(path: str, data: dict) -> None:
@@ -247,7 +189,7 @@ def main() -> None:
     print(f"pipeline bench: {P} stages x 1 block, d_model {args.d_model}, micro-batch {mb}x{args.seq_len}, "
           f"{args.steps} micro-batches per run; logs in {workdir}", flush=True)
 
-    swarm = LocalSwarm(workdir, P, d_model=args.d_model, seq_len=args.seq_len, mb=mb)
+    swarm = BenchSwarm(workdir, P, d_model=args.d_model, seq_len=args.seq_len, mb=mb)
     runs: list[dict] = []
     try:
         t = time.monotonic()

@@ -1,71 +1,46 @@
 """``swarmpipe demo``: a whole swarm on 127.0.0.1 as real processes, trained, summarised, stopped."""
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 
+from swarmpipe.cli.launcher import read_json
+from swarmpipe.cli.local_swarm import LocalSwarm
 from swarmpipe.peer.config import DemoConfig
-from swarmpipe.cli.launcher import ProcessGroup, coordinator_http_url, read_json, wait_for
 
 
-def _tail_progress(events_path: Path, offset: int) -> tuple[dict | None, int]:
+def _latest_progress(swarm: LocalSwarm, offset: int) -> tuple[dict | None, int]:
     """Newest trainer ``progress`` event appended since ``offset``."""
-    latest = None
-    try:
-        with open(events_path, "rb") as f:
-            f.seek(offset)
-            data = f.read()
-    except OSError:
-        return None, offset
-    end = data.rfind(b"\n") + 1
-    for line in data[:end].splitlines():
-        try:
-            event = json.loads(line)
-        except ValueError:
-            continue
-        if event.get("role") == "trainer" and event.get("kind") == "progress":
-            latest = event
-    return latest, offset + end
+    events, offset = swarm.tail_events(offset)
+    progress = [e for e in events if e.get("role") == "trainer" and e.get("kind") == "progress"]
+    return (progress[-1] if progress else None), offset
 
 
 def run_demo(cfg: DemoConfig) -> int:
     from tqdm import tqdm
 
     workdir = Path(cfg.workdir or f"runs/demo-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
-    events = workdir / "events.jsonl"
-    group = ProcessGroup(workdir, env={"SWARMPIPE_LOG_LEVEL": cfg.log_level})
+    # The roles' own announce periods: the demo shows the swarm as a volunteer would see it.
+    swarm = LocalSwarm(workdir, run_id="demo", log_level=cfg.log_level, peer_announce_period=None,
+                       trainer_announce_period=None)
     print(f"swarmpipe demo: {cfg.num_stages} stages x {cfg.replicas} replica(s), {cfg.steps} micro-batches; logs in {workdir}")
     started = time.monotonic()
     try:
-        coord_args = ["--run-id", "demo", "--num-stages", str(cfg.num_stages), "--http-port", str(cfg.http_port),
-                      "--peers-file", str(workdir / "initial_peers.txt"), "--identity", str(workdir / "swarmpipe.coordinator.key"),
-                      "--checkpoint-dir", str(workdir / "checkpoints"), "--event-log", str(events)]
-        if cfg.spec:
-            coord_args += ["--spec", cfg.spec]
-        coordinator = group.start("coordinator", "coordinator", *coord_args)
-        peers_file = workdir / "initial_peers.txt"
-        wait_for(peers_file.exists, 60, "the coordinator's initial peers", procs=[coordinator])
-        maddr = peers_file.read_text().split()[0]
-        url = wait_for(lambda: coordinator_http_url(coordinator), 10, "the dashboard address", procs=[coordinator])
-        print(f"coordinator up: {maddr}\ndashboard: {url}/")
-        peers = []
-        for stage in range(cfg.num_stages):
-            for replica in range(cfg.replicas):
-                name = f"peer-s{stage}-r{replica}"
-                peers.append(group.start(name, "peer", "--initial-peers", maddr, "--run-id", "demo", "--stage", str(stage),
-                                         "--ready-file", str(workdir / f"{name}.ready"), "--event-log", str(events)))
-        wait_for(lambda: all((workdir / f"{p.name}.ready").exists() for p in peers), 120, "every peer to serve", procs=peers)
+        # --run-id and --num-stages override a given spec's, as they do the built-in one.
+        swarm.start_coordinator(Path(cfg.spec) if cfg.spec else None, "--run-id", "demo", "--num-stages",
+                                str(cfg.num_stages), http_port=cfg.http_port, timeout=60)
+        print(f"coordinator up: {swarm.maddr}\ndashboard: {swarm.url}/")
+        peers = [swarm.start_peer(stage, wait=False, name=f"peer-s{stage}-r{replica}")
+                 for stage in range(cfg.num_stages) for replica in range(cfg.replicas)]
+        for peer in peers:
+            swarm.wait_ready(peer, timeout=120)
         print(f"{len(peers)} peers serving; training")
-        train_args = ["--initial-peers", maddr, "--run-id", "demo", "--steps", str(cfg.steps), "--no-progress",
-                      "--report", str(workdir / "report.json"), "--event-log", str(events)]
-        if cfg.data:
-            train_args += ["--data", cfg.data]
-        trainer = group.start("trainer", "train", *train_args)
+        trainer, report_path = swarm.start_trainer(cfg.steps, *(["--data", cfg.data] if cfg.data else []),
+                                                   report=workdir / "report.json")
         bar = tqdm(total=cfg.steps, desc="training", unit="mb", dynamic_ncols=True)
         offset = 0
         while trainer.alive():
-            event, offset = _tail_progress(events, offset)
+            event, offset = _latest_progress(swarm, offset)
             if event:
                 bar.n = min(cfg.steps, int(event.get("step") or 0))
                 bar.set_postfix(loss=f"{event.get('loss') or 0:.3f}", sps=event.get("samples_per_s"), retried=event.get("retried"),
@@ -77,14 +52,14 @@ def run_demo(cfg: DemoConfig) -> int:
         if trainer.proc.returncode != 0:
             print(f"trainer failed (exit {trainer.proc.returncode}); last log lines:\n{trainer.log_text()[-2000:]}")
             return 1
-        report = read_json(workdir / "report.json") or {}
+        report = read_json(report_path) or {}
         print_summary(report, workdir, time.monotonic() - started)
         return 0 if report.get("microbatches_lost", 1) == 0 else 1
     except KeyboardInterrupt:
         print("\ninterrupted: stopping every process the demo started")
         return 130
     finally:
-        group.stop_all()
+        swarm.stop()
 
 
 def print_summary(report: dict, workdir: Path, wall_s: float) -> None:

@@ -1,8 +1,8 @@
-"""Start swarmpipe roles as real subprocesses and stop them for sure (demo and tests).
+"""Start swarmpipe roles as real subprocesses and stop them for sure.
 
-Each role runs as ``python -m swarmpipe.cli.main <role> ...`` in its own process group
-with its output in a log file; :class:`ProcessGroup` kills everything it
-started, also when the caller is interrupted.
+Each role runs as ``[prefix...] python -m swarmpipe.cli.main <role> ...`` in its own process group
+with its output in a log file; :class:`ProcessGroup` kills everything it started, also when the
+caller is interrupted. :class:`swarmpipe.cli.local_swarm.LocalSwarm` builds a whole swarm on it.
 """
 from __future__ import annotations
 
@@ -12,9 +12,9 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 
 @dataclass
@@ -22,6 +22,7 @@ class Launched:
     name: str
     proc: subprocess.Popen
     log_path: Path
+    ready_path: Path | None = None  # a peer's --ready-file, where there is one
 
     def alive(self) -> bool:
         return self.proc.poll() is None
@@ -29,6 +30,14 @@ class Launched:
     def signal(self, sig: int) -> None:
         if self.alive():
             os.kill(self.proc.pid, sig)
+
+    def kill_tree(self) -> None:
+        """SIGKILL the role and its children (its DHT process and p2pd), like a machine vanishing."""
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait(timeout=10)
 
     def log_text(self) -> str:
         try:
@@ -47,12 +56,16 @@ class ProcessGroup:
         self.workdir = Path(self.workdir)
         self.workdir.mkdir(parents=True, exist_ok=True)
 
-    def start(self, name: str, role: str, *args: str, extra_env: dict[str, str] | None = None) -> Launched:
+    def start(self, name: str, role: str, *args: str, extra_env: dict[str, str] | None = None,
+              prefix: Sequence[str] = ()) -> Launched:
+        """``prefix``: a command that runs the role (``ip netns exec NS``, ``taskset -c 1``); it must
+        exec the role in place, so that the pid and the process group stay the role's."""
         log_path = self.workdir / f"{name}.log"
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **self.env, **(extra_env or {})}
+        command = [*prefix, sys.executable, "-m", "swarmpipe.cli.main", role, *args]
         with open(log_path, "ab") as log:
-            proc = subprocess.Popen([sys.executable, "-m", "swarmpipe.cli.main", role, *args], stdout=log, stderr=subprocess.STDOUT,
-                                    stdin=subprocess.DEVNULL, env=env, start_new_session=True)
+            proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
+                                    start_new_session=True)
         launched = Launched(name, proc, log_path)
         self.procs.append(launched)
         return launched
@@ -78,15 +91,15 @@ class ProcessGroup:
             except subprocess.TimeoutExpired:
                 pass
 
-    def __enter__(self) -> "ProcessGroup":
+    def __enter__(self) -> ProcessGroup:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.stop_all()
 
 
 def wait_for(predicate: Callable[[], object], timeout: float, what: str, poll: float = 0.2,
-             procs: list[Launched] = ()) -> object:
+             procs: Sequence[Launched] = ()) -> object:
     """Poll until ``predicate()`` is truthy; fail early (with the log tail) if a process died."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -100,7 +113,9 @@ def wait_for(predicate: Callable[[], object], timeout: float, what: str, poll: f
     raise TimeoutError(f"timed out after {timeout:.0f}s waiting for {what}")
 
 
-def read_json(path: Path) -> dict | None:
+def read_json(path: Path | None) -> dict | None:
+    if path is None:
+        return None
     try:
         return json.loads(Path(path).read_text())
     except (OSError, ValueError):
@@ -108,7 +123,6 @@ def read_json(path: Path) -> dict | None:
 
 
 def coordinator_http_url(launched: Launched) -> str | None:
-    for line in launched.log_text().splitlines():
-        if line.startswith("dashboard: "):
-            return line.split("dashboard: ", 1)[1].strip().rstrip("/")
-    return None
+    """The newest ``dashboard:`` line: a restarted coordinator appends to the same log."""
+    lines = [line for line in launched.log_text().splitlines() if line.startswith("dashboard: ")]
+    return lines[-1].split("dashboard: ", 1)[1].strip().rstrip("/") if lines else None
