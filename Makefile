@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup demo test test-fast compose-test bench protos clean
+.PHONY: setup demo test format test-fast compose-test bench protos clean
 
 $(BIN)/swarmpipe: pyproject.toml
 	test -d $(VENV) || $(PYTHON) -m venv $(VENV)
@@ -16,8 +16,16 @@ setup: $(BIN)/swarmpipe
 demo: setup
 	$(BIN)/swarmpipe demo
 
+# Lint and format check first (ruff, configured in pyproject.toml), then every tier this machine can run.
 test: setup
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
 	$(BIN)/python -m pytest tests -m "not compose" -q
+
+# Apply ruff's fixes and formatting.
+format: setup
+	$(BIN)/ruff check --fix .
+	$(BIN)/ruff format .
 
 # COMPOSE_ARGS narrows the scenarios, e.g. COMPOSE_ARGS='-k "not nemesis"'
 compose-test: setup

@@ -17,6 +17,7 @@ bench/pipeline.py), the bytes one activation takes on the wire, and the last sta
 Needs root (network namespaces); without them it prints why and exits 0. The namespace, and the
 veth with it, are deleted at exit.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -29,11 +30,11 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import torch  # noqa: E402
+
 from bench.pipeline import BenchSwarm, summarize, write_results  # noqa: E402
 from swarmpipe.peer.transport.codecs import allowed_in_spec  # noqa: E402
 from swarmpipe.peer.transport.wire import encoded_size  # noqa: E402
-
-import torch  # noqa: E402
 
 
 def sh(*cmd: str, check: bool = True) -> subprocess.CompletedProcess:
@@ -77,6 +78,7 @@ class ShapedLink:
     def _check_reachable(self) -> None:
         """A TCP connect from inside the namespace to a listener on the root-side address."""
         import socket
+
         with socket.socket() as srv:
             srv.bind((self.root_ip, 0))
             srv.listen()
@@ -111,15 +113,23 @@ def probe_reason() -> str | None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--rate", default="25mbit", help="25mbit: on the loaded 2-core VM, 100mbit left the 8-bit codecs compute-bound")
+    ap.add_argument(
+        "--rate", default="25mbit", help="25mbit: on the loaded 2-core VM, 100mbit left the 8-bit codecs compute-bound"
+    )
     ap.add_argument("--delay", default="20ms", help="one way, on each end (round trip = 2x)")
-    ap.add_argument("--codecs", nargs="+", default=[c for c in ("none", "fp16", "uint8", "blockwise8", "auto") if c in allowed_in_spec("activations")])
+    ap.add_argument(
+        "--codecs",
+        nargs="+",
+        default=[c for c in ("none", "fp16", "uint8", "blockwise8", "auto") if c in allowed_in_spec("activations")],
+    )
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--d-model", type=int, default=64)
     ap.add_argument("--seq-len", type=int, default=128)
     ap.add_argument("--microbatch", type=int, default=64)
     ap.add_argument("--stages", type=int, default=2)
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "bandwidth.json"))
+    ap.add_argument(
+        "--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "bandwidth.json")
+    )
     args = ap.parse_args()
     reason = probe_reason()
     if reason:
@@ -130,16 +140,26 @@ def main() -> None:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run finally / atexit on SIGTERM too
     workroot = Path(tempfile.mkdtemp(prefix="bench-bandwidth-"))
     numel = args.microbatch * args.seq_len * args.d_model
-    print(f"bandwidth bench: {args.stages} stages, last one behind a link shaped to {args.rate}; "
-          f"activation {args.microbatch}x{args.seq_len}x{args.d_model} = {numel * 4 / 2**20:.1f} MiB float32; "
-          f"{args.steps} micro-batches per codec; logs in {workroot}", flush=True)
+    print(
+        f"bandwidth bench: {args.stages} stages, last one behind a link shaped to {args.rate}; "
+        f"activation {args.microbatch}x{args.seq_len}x{args.d_model} = {numel * 4 / 2**20:.1f} MiB float32; "
+        f"{args.steps} micro-batches per codec; logs in {workroot}",
+        flush=True,
+    )
     rows = []
     try:
         link.create()
         print(f"link {link.root_ip} <-> {link.ns_ip} ({link.ns}): {link.shaping}", flush=True)
         for codec in args.codecs:
-            swarm = BenchSwarm(workroot / codec, args.stages, d_model=args.d_model, seq_len=args.seq_len,
-                               mb=args.microbatch, codec=codec, host=link.root_ip)
+            swarm = BenchSwarm(
+                workroot / codec,
+                args.stages,
+                d_model=args.d_model,
+                seq_len=args.seq_len,
+                mb=args.microbatch,
+                codec=codec,
+                host=link.root_ip,
+            )
             try:
                 swarm.start(peer_hosts={args.stages - 1: (link.ns_ip, link.prefix())})
                 swarm.train("warmup", 4, "--in-flight", "2")
@@ -148,13 +168,25 @@ def main() -> None:
                 swarm.stop()
             row = summarize(codec, report, polls, args.microbatch)
             wire = encoded_size(codec, torch.float32, numel) if codec != "auto" else None
-            rows.append({"codec": codec, "samples_per_s": row["samples_per_s"],
-                         "window_samples_per_s": row["window_samples_per_s"], "activation_bytes": wire,
-                         "last_stage_busy": row["busy_fraction"][-1], "busy_fraction": row["busy_fraction"],
-                         "microbatches": row["microbatches"], "retried": row["retried"], "lost": row["lost"],
-                         "loss_last": report["loss_last"]})
-            print(f"  {codec:10s} {row['samples_per_s']:6.1f} samples/s (window {row['window_samples_per_s']:6.1f}), "
-                  f"busy {' '.join(f'{b:.2f}' for b in row['busy_fraction'])}", flush=True)
+            rows.append(
+                {
+                    "codec": codec,
+                    "samples_per_s": row["samples_per_s"],
+                    "window_samples_per_s": row["window_samples_per_s"],
+                    "activation_bytes": wire,
+                    "last_stage_busy": row["busy_fraction"][-1],
+                    "busy_fraction": row["busy_fraction"],
+                    "microbatches": row["microbatches"],
+                    "retried": row["retried"],
+                    "lost": row["lost"],
+                    "loss_last": report["loss_last"],
+                }
+            )
+            print(
+                f"  {codec:10s} {row['samples_per_s']:6.1f} samples/s (window {row['window_samples_per_s']:6.1f}), "
+                f"busy {' '.join(f'{b:.2f}' for b in row['busy_fraction'])}",
+                flush=True,
+            )
     finally:
         link.delete()
 
@@ -165,11 +197,22 @@ def main() -> None:
     for r in rows:
         r["vs_none"] = r["window_samples_per_s"] / base["window_samples_per_s"]
         size = f"{r['activation_bytes'] / 2**20:.2f} MiB" if r["activation_bytes"] else "per hop"
-        print(f"| {r['codec']} | {size} | {r['samples_per_s']:.1f} | {r['window_samples_per_s']:.1f} | "
-              f"x{r['vs_none']:.2f} | {r['last_stage_busy']:.2f} |")
-    out = {"rate": args.rate, "delay_each_way": link.delay, "shaping": link.shaping, "stages": args.stages, "steps": args.steps,
-           "microbatch": args.microbatch, "seq_len": args.seq_len, "d_model": args.d_model, "rows": rows,
-           "loadavg": os.getloadavg()}
+        print(
+            f"| {r['codec']} | {size} | {r['samples_per_s']:.1f} | {r['window_samples_per_s']:.1f} | "
+            f"x{r['vs_none']:.2f} | {r['last_stage_busy']:.2f} |"
+        )
+    out = {
+        "rate": args.rate,
+        "delay_each_way": link.delay,
+        "shaping": link.shaping,
+        "stages": args.stages,
+        "steps": args.steps,
+        "microbatch": args.microbatch,
+        "seq_len": args.seq_len,
+        "d_model": args.d_model,
+        "rows": rows,
+        "loadavg": os.getloadavg(),
+    }
     write_results(args.out, out)
 
 

@@ -12,6 +12,7 @@ stage - inline is the compute-thread hop; inline - canned is the stage's own per
 (validation, finite check, encoding, framing the reply); canned is grpc.aio plus the caller.
 Callee CPU per call comes from /proc/<pid>/stat (every thread of the callee process).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -42,8 +43,15 @@ async def measure(callees: dict[str, tuple[str, int]], nbytes: int, seconds: flo
     request = echo_request(x)
 
     async def one(address: str) -> None:
-        response = await caller.call(pool.channel(address), pool.stub(address), "Forward", request, timeout=60,
-                                     payloads=[raw_view(x)], expected_bytes=real)
+        response = await caller.call(
+            pool.channel(address),
+            pool.stub(address),
+            "Forward",
+            request,
+            timeout=60,
+            payloads=[raw_view(x)],
+            expected_bytes=real,
+        )
         decode(response.output, max_elements=1 << 25, what="output")
 
     times: dict[str, list[float]] = {name: [] for name in callees}
@@ -64,9 +72,15 @@ async def measure(callees: dict[str, tuple[str, int]], nbytes: int, seconds: flo
                 cpu[name] += cpu_seconds(pid) - before
     finally:
         await pool.close()
-    return {name: dict(latency_ms=median(ts) * 1e3, callee_cpu_ms=cpu[name] / len(ts) * 1e3,
-                       caller_cpu_ms=caller_cpu[name] / len(ts) * 1e3, calls=len(ts))
-            for name, ts in times.items()}
+    return {
+        name: dict(
+            latency_ms=median(ts) * 1e3,
+            callee_cpu_ms=cpu[name] / len(ts) * 1e3,
+            caller_cpu_ms=caller_cpu[name] / len(ts) * 1e3,
+            calls=len(ts),
+        )
+        for name, ts in times.items()
+    }
 
 
 def main() -> None:
@@ -86,11 +100,15 @@ def main() -> None:
         rows = asyncio.run(measure(callees, args.kib * 1024, args.seconds))
     print(f"{'callee':>8} {'round trip ms':>14} {'callee CPU ms':>14} {'caller CPU ms':>14} {'calls':>6}")
     for name, r in rows.items():
-        print(f"{name:>8} {r['latency_ms']:>14.3f} {r['callee_cpu_ms']:>14.3f} {r['caller_cpu_ms']:>14.3f} {r['calls']:>6}")
+        print(
+            f"{name:>8} {r['latency_ms']:>14.3f} {r['callee_cpu_ms']:>14.3f} {r['caller_cpu_ms']:>14.3f} {r['calls']:>6}"
+        )
     hop = rows["stage"]["latency_ms"] - rows["inline"]["latency_ms"]
     work = rows["inline"]["latency_ms"] - rows["canned"]["latency_ms"]
-    print(f"compute-thread hop {hop:.2f} ms, the stage's own work {work:.2f} ms, "
-          f"grpc.aio + caller {rows['canned']['latency_ms']:.2f} ms per {real >> 10} KiB call")
+    print(
+        f"compute-thread hop {hop:.2f} ms, the stage's own work {work:.2f} ms, "
+        f"grpc.aio + caller {rows['canned']['latency_ms']:.2f} ms per {real >> 10} KiB call"
+    )
     write_results(args.out, dict(bytes=real, rows=rows, hop_ms=hop, stage_work_ms=work, loadavg=os.getloadavg()))
 
 

@@ -11,6 +11,7 @@ async AdamW, async Nesterov, async basis rotation, all with weight stashing at P
 
     python bench/convergence.py [--steps 1000] [--lr 3e-3] [--full] [--out bench/results/convergence.json]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -24,9 +25,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from swarmpipe.peer.trainer.data import BatchSampler, CorpusSplit, load_corpus  # noqa: E402
 from swarmpipe.peer.optim.delay_simulator import one_f_one_b_delays, simulate  # noqa: E402
 from swarmpipe.peer.spec import ModelSpec, OptimizerSpec, RunSpec  # noqa: E402
+from swarmpipe.peer.trainer.data import BatchSampler, CorpusSplit, load_corpus  # noqa: E402
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "convergence.json"
 
@@ -47,8 +48,8 @@ class RunConfig:
 
 def run_set(full: bool) -> list[RunConfig]:
     runs: list[RunConfig] = []
-    for seed in ((0, 1) if full else (0,)):
-        for stages in ((8, 4) if full else (8,)):
+    for seed in (0, 1) if full else (0,):
+        for stages in (8, 4) if full else (8,):
             runs += [
                 RunConfig("sync_adamw", "adamw", "stash", stages, seed, synchronous=True),
                 RunConfig("gpipe_adamw", "adamw", "gpipe", stages, seed),
@@ -83,8 +84,10 @@ def summarize(results: list[dict], steps: int, lr: float) -> None:
     half = steps // 2
 
     def peer_run(rec: dict, name: str) -> dict | None:
-        return next((r for r in results if r["name"] == name and r["stages"] == rec["stages"]
-                     and r["seed"] == rec["seed"]), None)
+        return next(
+            (r for r in results if r["name"] == name and r["stages"] == rec["stages"] and r["seed"] == rec["seed"]),
+            None,
+        )
 
     for rec in results:
         sync, naive = peer_run(rec, "sync_adamw"), peer_run(rec, "async_adamw")
@@ -97,12 +100,16 @@ def summarize(results: list[dict], steps: int, lr: float) -> None:
     def show(value: int | None) -> str:
         return "never" if value is None else str(value)
 
-    print(f"\nvalidation loss after {steps} micro-batches of 16 (lr {lr}); steps = micro-batches to reach "
-          f"sync AdamW's loss at {half}; vs async = micro-batches to reach async AdamW's final loss")
+    print(
+        f"\nvalidation loss after {steps} micro-batches of 16 (lr {lr}); steps = micro-batches to reach "
+        f"sync AdamW's loss at {half}; vs async = micro-batches to reach async AdamW's final loss"
+    )
     print(f"{'run':<22} {'P':>2} {'seed':>4} {'val loss':>9} {'steps':>6} {'vs async':>8} {'time s':>7}")
     for rec in results:
-        print(f"{rec['name']:<22} {rec['stages']:>2} {rec['seed']:>4} {rec['final_eval']:>9.4f} "
-              f"{show(rec.get('steps_to_target')):>6} {show(rec.get('steps_to_async_final')):>8} {rec['seconds']:>7}")
+        print(
+            f"{rec['name']:<22} {rec['stages']:>2} {rec['seed']:>4} {rec['final_eval']:>9.4f} "
+            f"{show(rec.get('steps_to_target')):>6} {show(rec.get('steps_to_async_final')):>8} {rec['seconds']:>7}"
+        )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -141,12 +148,19 @@ def main(argv: list[str] | None = None) -> int:
         spec = make_spec(cfg, args.lr, args.steps, args.warmup)
         sampler = BatchSampler(split.train, 16, 64, seed=cfg.seed)  # same data order for every run of a seed
         delays = [0] * cfg.stages if cfg.synchronous else one_f_one_b_delays(cfg.stages)
-        res = simulate(spec, args.steps, sampler.next, delays=delays, mode=cfg.mode,
-                       eval_batches=evals, eval_every=args.eval_every)
-        record = {**asdict(cfg), "delays": [0] * cfg.stages if cfg.mode == "gpipe" else delays,
-                  "final_eval": res.eval_losses[-1], "eval_micro": res.eval_micro, "eval_losses": res.eval_losses,
-                  "train_last50": sum(res.train_losses[-50:]) / min(50, len(res.train_losses)),
-                  "updates": res.updates, "seconds": round(res.seconds, 1)}
+        res = simulate(
+            spec, args.steps, sampler.next, delays=delays, mode=cfg.mode, eval_batches=evals, eval_every=args.eval_every
+        )
+        record = {
+            **asdict(cfg),
+            "delays": [0] * cfg.stages if cfg.mode == "gpipe" else delays,
+            "final_eval": res.eval_losses[-1],
+            "eval_micro": res.eval_micro,
+            "eval_losses": res.eval_losses,
+            "train_last50": sum(res.train_losses[-50:]) / min(50, len(res.train_losses)),
+            "updates": res.updates,
+            "seconds": round(res.seconds, 1),
+        }
         results.append(record)
         print(f"{cfg.label:<40} val {record['final_eval']:.4f}  {res.seconds:6.1f}s", flush=True)
 
@@ -155,9 +169,13 @@ def main(argv: list[str] | None = None) -> int:
     print(f"total {total:.0f}s")
 
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    payload = {"config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-               "model": asdict(ModelSpec(d_model=64, n_layers=8, n_heads=4, seq_len=64)),
-               "torch_threads": torch.get_num_threads(), "seconds": round(total, 1), "runs": results}
+    payload = {
+        "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        "model": asdict(ModelSpec(d_model=64, n_layers=8, n_heads=4, seq_len=64)),
+        "torch_threads": torch.get_num_threads(),
+        "seconds": round(total, 1),
+        "runs": results,
+    }
     args.out.write_text(json.dumps(payload, indent=1))
     print(f"wrote {args.out}")
     return 0

@@ -15,6 +15,7 @@ stage peer does in a swarm; the caller is this process; everything on 127.0.0.1,
 Ratios are paired: each is the median over rounds of the ratio measured within one round (the
 transports run seconds apart there), so this machine's drift between rounds cancels out.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -49,8 +50,12 @@ def callee(kind: str):
 @contextlib.contextmanager
 def callee_process(kind: str, *args: str):
     """``echo_servers.py kind args...`` in its own process; yields (address, pid); stops it on exit."""
-    proc = subprocess.Popen([sys.executable, os.path.join(HERE, "echo_servers.py"), kind, *args],
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, os.path.join(HERE, "echo_servers.py"), kind, *args],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         line = proc.stdout.readline()
         if not line.startswith("READY "):
@@ -108,8 +113,9 @@ async def bench_swarmpipe(address: str, sizes: list[int], seconds: float, inflig
             real = x.numel() * 4
 
             async def one(x=x) -> None:
-                response = await caller.call(channel, stub, "Forward", echo_request(x), timeout=120,
-                                             payloads=[raw_view(x)], expected_bytes=real)
+                response = await caller.call(
+                    channel, stub, "Forward", echo_request(x), timeout=120, payloads=[raw_view(x)], expected_bytes=real
+                )
                 y = decode(response.output, max_elements=1 << 25, what="output")
                 assert y.shape == x.shape
 
@@ -132,14 +138,18 @@ async def bench_empty_call(address: str, seconds: float) -> dict:
         x = torch.randn(1, 1, WIDTH)  # one token's activation: the smallest Forward the stage takes
 
         async def tiny() -> None:
-            r = await stub.Forward(swarm_pb2.ForwardRequest(run_id="bench", stage=1, microbatch_id="m",
-                                                            input=encode(x), reply_codec="none"), timeout=10)
+            r = await stub.Forward(
+                swarm_pb2.ForwardRequest(
+                    run_id="bench", stage=1, microbatch_id="m", input=encode(x), reply_codec="none"
+                ),
+                timeout=10,
+            )
             decode(r.output)
+
         fwd = await timed(tiny, seconds)
     finally:
         await pool.close()
-    return dict(info_rtt_ms=median(info) * 1e3, small_forward_rtt_ms=median(fwd) * 1e3,
-                small_forward_bytes=WIDTH * 4)
+    return dict(info_rtt_ms=median(info) * 1e3, small_forward_rtt_ms=median(fwd) * 1e3, small_forward_bytes=WIDTH * 4)
 
 
 # ------------------------------------------------------------------ raw TCP
@@ -177,8 +187,9 @@ async def bench_hivemind(maddr: str, sizes: list[int], seconds: float, inflight:
     from hivemind.p2p import P2P, PeerID
 
     cap = max(sizes) + (16 << 20)
-    client = await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"], persistent_conn_max_msg_size=cap,
-                              initial_peers=[maddr])
+    client = await P2P.create(
+        host_maddrs=["/ip4/127.0.0.1/tcp/0"], persistent_conn_max_msg_size=cap, initial_peers=[maddr]
+    )
     server_id = PeerID.from_base58(maddr.rsplit("/p2p/", 1)[1])
     results = {}
     try:
@@ -206,8 +217,12 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--sizes-kib", type=int, nargs="+", default=[64, 1024, 4096, 16384, 65536])
     ap.add_argument("--seconds", type=float, default=0.5, help="time budget per size, transport and round")
-    ap.add_argument("--rounds", type=int, default=5,
-                    help="interleaved sweeps; each figure is their median, each ratio the median of per-round ratios")
+    ap.add_argument(
+        "--rounds",
+        type=int,
+        default=5,
+        help="interleaved sweeps; each figure is their median, each ratio the median of per-round ratios",
+    )
     ap.add_argument("--no-hivemind", action="store_true")
     ap.add_argument("--out", default="bench/results/dataplane.json")
     args = ap.parse_args()
@@ -224,18 +239,24 @@ def main() -> None:
         hm_at = None if args.no_hivemind else stack.enter_context(callee("hivemind"))
         for r in range(args.rounds):
             for size in sizes:
-                measured = {"tcp": bench_tcp(tcp_at, [size], args.seconds),
-                            "sp1": asyncio.run(bench_swarmpipe(stage_at, [size], args.seconds, 1)),
-                            "sp4": asyncio.run(bench_swarmpipe(stage_at, [size], args.seconds, 4))}
+                measured = {
+                    "tcp": bench_tcp(tcp_at, [size], args.seconds),
+                    "sp1": asyncio.run(bench_swarmpipe(stage_at, [size], args.seconds, 1)),
+                    "sp4": asyncio.run(bench_swarmpipe(stage_at, [size], args.seconds, 4)),
+                }
                 if hm_at is not None:
                     measured["hm"] = asyncio.run(bench_hivemind(hm_at, [size], args.seconds))
                     measured["hm4"] = asyncio.run(bench_hivemind(hm_at, [size], args.seconds, 4))
                 for name, result in measured.items():
                     for real, row in result.items():
                         samples[name].setdefault(real, []).append(row)
-                print(f"  round {r + 1}/{args.rounds}, {size >> 10} KiB: " + ", ".join(
-                    f"{name} {row['gbps']:.3f}" for name, result in measured.items() for row in result.values()),
-                    flush=True)
+                print(
+                    f"  round {r + 1}/{args.rounds}, {size >> 10} KiB: "
+                    + ", ".join(
+                        f"{name} {row['gbps']:.3f}" for name, result in measured.items() for row in result.values()
+                    ),
+                    flush=True,
+                )
         empty = asyncio.run(bench_empty_call(stage_at, args.seconds))
 
     def median_row(rows: list[dict]) -> dict:
@@ -245,43 +266,79 @@ def main() -> None:
         """The ratio within each round: both were measured seconds apart, so drift cancels."""
         return sorted(a["gbps"] / b["gbps"] for a, b in zip(samples[name][real], samples[base][real]))
 
-    tcp, sp1, sp4, hm, hm4 = ({real: median_row(rows) for real, rows in samples[name].items()}
-                              for name in ("tcp", "sp1", "sp4", "hm", "hm4"))
+    tcp, sp1, sp4, hm, hm4 = (
+        {real: median_row(rows) for real, rows in samples[name].items()} for name in ("tcp", "sp1", "sp4", "hm", "hm4")
+    )
     rows = []
     for real in sorted(tcp):
-        r = dict(bytes=real, tcp_gbps=tcp[real]["gbps"], swarmpipe_gbps=sp1[real]["gbps"],
-                 swarmpipe_x4_gbps=sp4[real]["gbps"], swarmpipe_latency_ms=sp1[real]["latency_ms"],
-                 tcp_latency_ms=tcp[real]["latency_ms"])
+        r = dict(
+            bytes=real,
+            tcp_gbps=tcp[real]["gbps"],
+            swarmpipe_gbps=sp1[real]["gbps"],
+            swarmpipe_x4_gbps=sp4[real]["gbps"],
+            swarmpipe_latency_ms=sp1[real]["latency_ms"],
+            tcp_latency_ms=tcp[real]["latency_ms"],
+        )
         if real in hm:
-            r.update(hivemind_gbps=hm[real]["gbps"], hivemind_latency_ms=hm[real]["latency_ms"],
-                     hivemind_x4_gbps=hm4[real]["gbps"])
+            r.update(
+                hivemind_gbps=hm[real]["gbps"],
+                hivemind_latency_ms=hm[real]["latency_ms"],
+                hivemind_x4_gbps=hm4[real]["gbps"],
+            )
         # Ratios are medians of the per-round ratios (paired), not ratios of medians taken at different times.
-        for key, name, base in (("vs_tcp", "sp1", "tcp"), ("x4_vs_tcp", "sp4", "tcp"), ("vs_hivemind", "sp1", "hm"),
-                                ("x4_vs_hivemind_x4", "sp4", "hm4")):
+        for key, name, base in (
+            ("vs_tcp", "sp1", "tcp"),
+            ("x4_vs_tcp", "sp4", "tcp"),
+            ("vs_hivemind", "sp1", "hm"),
+            ("x4_vs_hivemind_x4", "sp4", "hm4"),
+        ):
             if real in samples[base]:
                 ratios = paired(name, base, real)
                 r[key], r[key + "_range"] = ratios[len(ratios) // 2], (ratios[0], ratios[-1])
         rows.append(r)
-    print(f"{'size':>9} {'tcp GB/s':>9} {'swarmpipe':>10} {'sp x4':>7} {'hivemind':>9} {'hm x4':>7} "
-          f"{'sp/tcp':>7} {'x4/tcp':>7} {'sp/hm':>7} {'x4/hm x4':>9} {'sp ms':>8} {'tcp ms':>8} {'hm ms':>8}")
+    print(
+        f"{'size':>9} {'tcp GB/s':>9} {'swarmpipe':>10} {'sp x4':>7} {'hivemind':>9} {'hm x4':>7} "
+        f"{'sp/tcp':>7} {'x4/tcp':>7} {'sp/hm':>7} {'x4/hm x4':>9} {'sp ms':>8} {'tcp ms':>8} {'hm ms':>8}"
+    )
     nan = float("nan")
     for r in rows:
         size = f"{r['bytes'] / 1024:.0f}K" if r["bytes"] < 1 << 20 else f"{r['bytes'] / (1 << 20):.0f}M"
-        print(f"{size:>9} {r['tcp_gbps']:>9.3f} {r['swarmpipe_gbps']:>10.3f} {r['swarmpipe_x4_gbps']:>7.3f} "
-              f"{r.get('hivemind_gbps', nan):>9.3f} {r.get('hivemind_x4_gbps', nan):>7.3f} {r['vs_tcp']:>7.2f} "
-              f"{r['x4_vs_tcp']:>7.2f} {r.get('vs_hivemind', nan):>7.1f} {r.get('x4_vs_hivemind_x4', nan):>9.1f} "
-              f"{r['swarmpipe_latency_ms']:>8.2f} {r['tcp_latency_ms']:>8.2f} {r.get('hivemind_latency_ms', nan):>8.2f}")
+        print(
+            f"{size:>9} {r['tcp_gbps']:>9.3f} {r['swarmpipe_gbps']:>10.3f} {r['swarmpipe_x4_gbps']:>7.3f} "
+            f"{r.get('hivemind_gbps', nan):>9.3f} {r.get('hivemind_x4_gbps', nan):>7.3f} {r['vs_tcp']:>7.2f} "
+            f"{r['x4_vs_tcp']:>7.2f} {r.get('vs_hivemind', nan):>7.1f} {r.get('x4_vs_hivemind_x4', nan):>9.1f} "
+            f"{r['swarmpipe_latency_ms']:>8.2f} {r['tcp_latency_ms']:>8.2f} {r.get('hivemind_latency_ms', nan):>8.2f}"
+        )
     if args.rounds > 1:
-        print("ratio ranges over rounds: " + "; ".join(
-            f"{r['bytes'] >> 10} KiB sp/tcp {r['vs_tcp_range'][0]:.2f}-{r['vs_tcp_range'][1]:.2f}"
-            + (f", sp/hm {r['vs_hivemind_range'][0]:.1f}-{r['vs_hivemind_range'][1]:.1f}"
-               f", x4/hm x4 {r['x4_vs_hivemind_x4_range'][0]:.1f}-{r['x4_vs_hivemind_x4_range'][1]:.1f}"
-               if "vs_hivemind" in r else "")
-            for r in rows))
-    print(f"empty-ish calls: Info round trip {empty['info_rtt_ms']:.3f} ms, "
-          f"Forward of a {empty['small_forward_bytes']}-byte tensor {empty['small_forward_rtt_ms']:.3f} ms")
-    write_results(args.out, dict(rows=rows, empty_calls=empty, seconds_per_point=args.seconds, rounds=args.rounds,
-                                 callee="own process", loadavg=os.getloadavg()))
+        print(
+            "ratio ranges over rounds: "
+            + "; ".join(
+                f"{r['bytes'] >> 10} KiB sp/tcp {r['vs_tcp_range'][0]:.2f}-{r['vs_tcp_range'][1]:.2f}"
+                + (
+                    f", sp/hm {r['vs_hivemind_range'][0]:.1f}-{r['vs_hivemind_range'][1]:.1f}"
+                    f", x4/hm x4 {r['x4_vs_hivemind_x4_range'][0]:.1f}-{r['x4_vs_hivemind_x4_range'][1]:.1f}"
+                    if "vs_hivemind" in r
+                    else ""
+                )
+                for r in rows
+            )
+        )
+    print(
+        f"empty-ish calls: Info round trip {empty['info_rtt_ms']:.3f} ms, "
+        f"Forward of a {empty['small_forward_bytes']}-byte tensor {empty['small_forward_rtt_ms']:.3f} ms"
+    )
+    write_results(
+        args.out,
+        dict(
+            rows=rows,
+            empty_calls=empty,
+            seconds_per_point=args.seconds,
+            rounds=args.rounds,
+            callee="own process",
+            loadavg=os.getloadavg(),
+        ),
+    )
+
 
 if __name__ == "__main__":
     main()

@@ -11,6 +11,7 @@ one event loop, which no deployment does. Every transport gets the same treatmen
   * tcp: a socket echo with ``recv_into`` / ``sendall`` into one reused buffer (the limit);
   * hivemind: ``P2P.add_protobuf_handler`` echoing a ``Tensor`` message (the RPC Petals uses).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -18,17 +19,18 @@ import os
 import socket
 import sys
 import threading
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from swarmpipe.peer.transport.channels import tune_allocator  # noqa: E402
-from swarmpipe.peer.stage.metrics import PeerMetrics  # noqa: E402
 from swarmpipe.peer.spec import LimitsSpec, ModelSpec, RunSpec  # noqa: E402
+from swarmpipe.peer.stage.metrics import PeerMetrics  # noqa: E402
 from swarmpipe.peer.stage.server import StageServicer, start_server  # noqa: E402
 from swarmpipe.peer.swarm.records import PeerState  # noqa: E402
+from swarmpipe.peer.transport.channels import tune_allocator  # noqa: E402
 from swarmpipe.peer.transport.streaming import frames  # noqa: E402
 from swarmpipe.peer.transport.wire import encode_parts  # noqa: E402
 from swarmpipe.protos import swarm_pb2  # noqa: E402
@@ -66,8 +68,12 @@ class IdentityRuntime:
 
 
 def stage_spec(width: int = WIDTH) -> RunSpec:
-    return RunSpec(run_id="bench", num_stages=3, model=ModelSpec(d_model=width, seq_len=1024),
-                   limits=LimitsSpec(max_message_mb=64, max_tensor_elements=1 << 25))
+    return RunSpec(
+        run_id="bench",
+        num_stages=3,
+        model=ModelSpec(d_model=width, seq_len=1024),
+        limits=LimitsSpec(max_message_mb=64, max_tensor_elements=1 << 25),
+    )
 
 
 def ready(address: str) -> None:
@@ -84,8 +90,10 @@ async def serve_stage(width: int, variant: str = "", canned_bytes: int = 1 << 20
     servicer = StageServicer(IdentityRuntime(stage_spec(width)), "bench-peer", PeerMetrics())
     servicer.lifecycle.change(PeerState.ONLINE)
     if variant == "inline":
+
         async def forward_inline(item, key=()):
             return item[1], None
+
         servicer.forwards.submit = forward_inline
     elif variant == "canned":
         canned = canned_reply(width, canned_bytes)
@@ -95,6 +103,7 @@ async def serve_stage(width: int, variant: str = "", canned_bytes: int = 1 << 20
                 pass
             for frame in canned:
                 yield frame
+
         servicer.Stream = stream_canned  # before start_server: the handlers are bound there
     server, port = await start_server(servicer, "127.0.0.1", 0)
     ready(f"127.0.0.1:{port}")
@@ -149,7 +158,8 @@ def serve_tcp() -> None:
             threading.Thread(target=echo, args=(conn,), daemon=True).start()
 
     threading.Thread(target=accept_loop, daemon=True).start()
-    ready("%s:%d" % listener.getsockname())
+    host, port = listener.getsockname()[:2]
+    ready(f"{host}:{port}")
     sys.stdin.read()
     listener.close()
 

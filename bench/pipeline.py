@@ -31,6 +31,7 @@ Time breakdown of one micro-batch (round trip through all stages, forward and ba
   * queue: in the async run, latency (Little's law: in-flight / micro-batches per second) minus
     compute minus encode/decode minus the serial run's transfer time: waiting for a busy peer.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -57,19 +58,41 @@ class BenchSwarm(LocalSwarm):
     """A coordinator and one peer per stage (the shared :class:`LocalSwarm`), plus the bench's own
     measurements: every peer's ``Info`` polled while a trainer runs."""
 
-    def __init__(self, workdir: Path, stages: int, d_model: int = 128, seq_len: int = 64, mb: int = 16,
-                 codec: str = "fp16", host: str = "127.0.0.1", run_id: str = "bench",
-                 spec_settings: dict[str, Any] | None = None):
+    def __init__(
+        self,
+        workdir: Path,
+        stages: int,
+        d_model: int = 128,
+        seq_len: int = 64,
+        mb: int = 16,
+        codec: str = "fp16",
+        host: str = "127.0.0.1",
+        run_id: str = "bench",
+        spec_settings: dict[str, Any] | None = None,
+    ):
         # No checkpoints and the trainer's default announce period: nothing but the pipeline competes for cores.
-        super().__init__(Path(workdir), run_id=run_id, log_level="WARNING", host=host, peer_announce_period=1.0,
-                         trainer_announce_period=None, checkpoints=False)
+        super().__init__(
+            Path(workdir),
+            run_id=run_id,
+            log_level="WARNING",
+            host=host,
+            peer_announce_period=1.0,
+            trainer_announce_period=None,
+            checkpoints=False,
+        )
         self.stages = stages
         # The one spec template at the bench's sizes, no averaging or checkpoints; spec_settings (top-level
         # keys or whole tables, e.g. {"batching": {...}}) replace the bench's own.
-        settings = {"averaging_interval_s": 0, "checkpoint_every": 1000000, "update": {"max_staleness": 64},
-                    "compression": {"activations": codec, "gradients": codec}, **(spec_settings or {})}
-        self.spec_knobs: dict[str, Any] = dict(d_model=d_model, seq_len=seq_len, microbatch_size=mb, lr=1e-3,
-                                               max_message_mb=64, settings=settings)
+        settings = {
+            "averaging_interval_s": 0,
+            "checkpoint_every": 1000000,
+            "update": {"max_staleness": 64},
+            "compression": {"activations": codec, "gradients": codec},
+            **(spec_settings or {}),
+        }
+        self.spec_knobs: dict[str, Any] = dict(
+            d_model=d_model, seq_len=seq_len, microbatch_size=mb, lr=1e-3, max_message_mb=64, settings=settings
+        )
         self.peers: list[dict] = []  # ready-file contents, by stage
         self._stubs: list = []
 
@@ -95,8 +118,14 @@ class BenchSwarm(LocalSwarm):
             while not stop.is_set():
                 try:
                     infos = self.info()
-                    polls.append((time.monotonic(), [i.busy_seconds for i in infos], [i.queue for i in infos],
-                                  [cpu_seconds(p["pid"]) for p in self.peers]))
+                    polls.append(
+                        (
+                            time.monotonic(),
+                            [i.busy_seconds for i in infos],
+                            [i.queue for i in infos],
+                            [cpu_seconds(p["pid"]) for p in self.peers],
+                        )
+                    )
                 except grpc.RpcError:
                     pass
                 stop.wait(0.25)
@@ -139,11 +168,17 @@ def busy_window(polls: list[tuple]) -> dict:
     a, b = polls[moved[0] - 1], polls[moved[-1]]
     wall = b[0] - a[0]
     busy = [(y - x) for x, y in zip(a[1], b[1])]
-    inside = polls[moved[0] - 1: moved[-1] + 1]
+    inside = polls[moved[0] - 1 : moved[-1] + 1]
     queue = [sum(p[2][s] for p in inside) / len(inside) for s in range(len(a[1]))]
     cpu = [(y - x) for x, y in zip(a[3], b[3])]
-    return {"wall_s": wall, "busy_s": busy, "busy_fraction": [x / wall for x in busy], "mean_queue": queue,
-            "cpu_s": cpu, "cpu_fraction": [x / wall for x in cpu]}
+    return {
+        "wall_s": wall,
+        "busy_s": busy,
+        "busy_fraction": [x / wall for x in busy],
+        "mean_queue": queue,
+        "cpu_s": cpu,
+        "cpu_fraction": [x / wall for x in cpu],
+    }
 
 
 def codec_seconds(shape: tuple[int, ...], codec: str, reps: int = 50) -> tuple[float, float]:
@@ -163,12 +198,20 @@ def codec_seconds(shape: tuple[int, ...], codec: str, reps: int = 50) -> tuple[f
 def summarize(name: str, report: dict, polls: list[tuple], mb: int) -> dict:
     w = busy_window(polls)
     done = report["microbatches_completed"] + report["microbatches_dropped_stale"]
-    return {"schedule": name, "samples_per_s": report["samples_per_s"], "window_samples_per_s": done * mb / w["wall_s"],
-            "microbatches": done, "dropped_stale": report["microbatches_dropped_stale"],
-            "retried": report["microbatches_retried"], "lost": report["microbatches_lost"], **w,
-            "mean_busy_fraction": sum(w["busy_fraction"]) / len(w["busy_fraction"]),
-            "mean_cpu_fraction": sum(w["cpu_fraction"]) / len(w["cpu_fraction"]),
-            "compute_s_per_mb": sum(w["busy_s"]) / max(1, done), "peer_cpu_s_per_mb": sum(w["cpu_s"]) / max(1, done)}
+    return {
+        "schedule": name,
+        "samples_per_s": report["samples_per_s"],
+        "window_samples_per_s": done * mb / w["wall_s"],
+        "microbatches": done,
+        "dropped_stale": report["microbatches_dropped_stale"],
+        "retried": report["microbatches_retried"],
+        "lost": report["microbatches_lost"],
+        **w,
+        "mean_busy_fraction": sum(w["busy_fraction"]) / len(w["busy_fraction"]),
+        "mean_cpu_fraction": sum(w["cpu_fraction"]) / len(w["cpu_fraction"]),
+        "compute_s_per_mb": sum(w["busy_s"]) / max(1, done),
+        "peer_cpu_s_per_mb": sum(w["cpu_s"]) / max(1, done),
+    }
 
 
 def main() -> None:
@@ -181,13 +224,18 @@ def main() -> None:
     ap.add_argument("--microbatch", type=int, default=16)
     ap.add_argument("--seq-len", type=int, default=64)
     ap.add_argument("--workdir", default="")
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "pipeline.json"))
+    ap.add_argument(
+        "--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "pipeline.json")
+    )
     args = ap.parse_args()
     P, K, mb = args.stages, args.flush_every or args.stages, args.microbatch
     in_flight = 2 * P
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="bench-pipeline-"))
-    print(f"pipeline bench: {P} stages x 1 block, d_model {args.d_model}, micro-batch {mb}x{args.seq_len}, "
-          f"{args.steps} micro-batches per run; logs in {workdir}", flush=True)
+    print(
+        f"pipeline bench: {P} stages x 1 block, d_model {args.d_model}, micro-batch {mb}x{args.seq_len}, "
+        f"{args.steps} micro-batches per run; logs in {workdir}",
+        flush=True,
+    )
 
     swarm = BenchSwarm(workdir, P, d_model=args.d_model, seq_len=args.seq_len, mb=mb)
     runs: list[dict] = []
@@ -197,7 +245,7 @@ def main() -> None:
         print(f"swarm up in {time.monotonic() - t:.0f}s: " + ", ".join(p["address"] for p in swarm.peers), flush=True)
         plan = [("warmup", ["--in-flight", "2"], max(10, args.steps // 6))]
         plan.append(("serial", ["--in-flight", "1"], max(20, args.steps // 3)))
-        for r in range(args.rounds):
+        for _ in range(args.rounds):
             plan.append(("async", ["--in-flight", str(in_flight)], args.steps))
             plan.append(("flush", ["--in-flight", str(in_flight), "--flush-every", str(K)], args.steps))
         for i, (name, extra, steps) in enumerate(plan):
@@ -207,10 +255,13 @@ def main() -> None:
             row = summarize(name, report, polls, mb)
             row["round"] = i
             runs.append(row)
-            print(f"  {name:6s} {row['samples_per_s']:6.1f} samples/s (window {row['window_samples_per_s']:6.1f}), "
-                  f"busy {' '.join(f'{b:.2f}' for b in row['busy_fraction'])}, queue "
-                  f"{' '.join(f'{q:.1f}' for q in row['mean_queue'])}, cpu "
-                  f"{' '.join(f'{c:.2f}' for c in row['cpu_fraction'])}", flush=True)
+            print(
+                f"  {name:6s} {row['samples_per_s']:6.1f} samples/s (window {row['window_samples_per_s']:6.1f}), "
+                f"busy {' '.join(f'{b:.2f}' for b in row['busy_fraction'])}, queue "
+                f"{' '.join(f'{q:.1f}' for q in row['mean_queue'])}, cpu "
+                f"{' '.join(f'{c:.2f}' for c in row['cpu_fraction'])}",
+                flush=True,
+            )
     finally:
         swarm.stop()
 
@@ -227,55 +278,95 @@ def main() -> None:
         rows = [r[key] for r in runs if r["schedule"] == name]
         return [sum(col) / len(col) for col in zip(*rows)]
 
-    agg = {name: {"samples_per_s": mean(name, "samples_per_s"), "window_samples_per_s": mean(name, "window_samples_per_s"),
-                  "busy_fraction": per_stage(name, "busy_fraction"), "mean_busy_fraction": mean(name, "mean_busy_fraction"),
-                  "mean_queue": per_stage(name, "mean_queue"), "compute_s_per_mb": mean(name, "compute_s_per_mb"),
-                  "cpu_fraction": per_stage(name, "cpu_fraction"), "mean_cpu_fraction": mean(name, "mean_cpu_fraction"),
-                  "peer_cpu_s_per_mb": mean(name, "peer_cpu_s_per_mb")}
-           for name in ("serial", "flush", "async")}
+    agg = {
+        name: {
+            "samples_per_s": mean(name, "samples_per_s"),
+            "window_samples_per_s": mean(name, "window_samples_per_s"),
+            "busy_fraction": per_stage(name, "busy_fraction"),
+            "mean_busy_fraction": mean(name, "mean_busy_fraction"),
+            "mean_queue": per_stage(name, "mean_queue"),
+            "compute_s_per_mb": mean(name, "compute_s_per_mb"),
+            "cpu_fraction": per_stage(name, "cpu_fraction"),
+            "mean_cpu_fraction": mean(name, "mean_cpu_fraction"),
+            "peer_cpu_s_per_mb": mean(name, "peer_cpu_s_per_mb"),
+        }
+        for name in ("serial", "flush", "async")
+    }
     codec_s = tensors_per_mb * (enc + dec)
     serial_latency = 1 / (agg["serial"]["window_samples_per_s"] / mb)  # one in flight: latency = time per micro-batch
     transfer = serial_latency - agg["serial"]["compute_s_per_mb"] - codec_s
     async_latency = in_flight / (agg["async"]["window_samples_per_s"] / mb)  # Little's law
     queue = async_latency - agg["async"]["compute_s_per_mb"] - codec_s - transfer
     breakdown = {
-        "serial": {"latency_ms": 1e3 * serial_latency, "compute_ms": 1e3 * agg["serial"]["compute_s_per_mb"],
-                   "encode_ms": 1e3 * tensors_per_mb * enc, "decode_ms": 1e3 * tensors_per_mb * dec,
-                   "transfer_ms": 1e3 * transfer, "queue_ms": 0.0},
-        "async": {"latency_ms": 1e3 * async_latency, "compute_ms": 1e3 * agg["async"]["compute_s_per_mb"],
-                  "encode_ms": 1e3 * tensors_per_mb * enc, "decode_ms": 1e3 * tensors_per_mb * dec,
-                  "transfer_ms": 1e3 * transfer, "queue_ms": 1e3 * queue},
+        "serial": {
+            "latency_ms": 1e3 * serial_latency,
+            "compute_ms": 1e3 * agg["serial"]["compute_s_per_mb"],
+            "encode_ms": 1e3 * tensors_per_mb * enc,
+            "decode_ms": 1e3 * tensors_per_mb * dec,
+            "transfer_ms": 1e3 * transfer,
+            "queue_ms": 0.0,
+        },
+        "async": {
+            "latency_ms": 1e3 * async_latency,
+            "compute_ms": 1e3 * agg["async"]["compute_s_per_mb"],
+            "encode_ms": 1e3 * tensors_per_mb * enc,
+            "decode_ms": 1e3 * tensors_per_mb * dec,
+            "transfer_ms": 1e3 * transfer,
+            "queue_ms": 1e3 * queue,
+        },
     }
     ratio = agg["async"]["mean_busy_fraction"] / agg["flush"]["mean_busy_fraction"]
     min_ratio = min(a / f for a, f in zip(agg["async"]["busy_fraction"], agg["flush"]["busy_fraction"]))
 
-    print("\n| schedule | samples/s (report) | samples/s (window) | busy fraction per stage | mean busy | "
-          "CPU fraction per stage | mean queue per stage |")
+    print(
+        "\n| schedule | samples/s (report) | samples/s (window) | busy fraction per stage | mean busy | "
+        "CPU fraction per stage | mean queue per stage |"
+    )
     print("|---|---|---|---|---|---|---|")
     for name in ("serial", "flush", "async"):
         a = agg[name]
         label = {"serial": "in-flight 1", "flush": f"flush every {K}", "async": f"async, {in_flight} in flight"}[name]
-        print(f"| {label} | {a['samples_per_s']:.1f} | {a['window_samples_per_s']:.1f} | "
-              f"{' / '.join(f'{b:.2f}' for b in a['busy_fraction'])} | {a['mean_busy_fraction']:.2f} | "
-              f"{' / '.join(f'{c:.2f}' for c in a['cpu_fraction'])} | "
-              f"{' / '.join(f'{q:.1f}' for q in a['mean_queue'])} |")
-    print(f"\nasync / flush: busy fraction x{ratio:.2f} (mean; lowest per stage x{min_ratio:.2f}), "
-          f"CPU fraction x{agg['async']['mean_cpu_fraction'] / agg['flush']['mean_cpu_fraction']:.2f}, "
-          f"samples/s x{agg['async']['window_samples_per_s'] / agg['flush']['window_samples_per_s']:.2f}; "
-          f"bar x1.5: {'met' if ratio >= 1.5 else 'NOT met'}")
-    print(f"\nper micro-batch, ms ({tensors_per_mb} activation-sized tensors of {mb}x{args.seq_len}x{args.d_model} fp16 "
-          f"per micro-batch; encode {1e3 * enc:.3f} ms, decode {1e3 * dec:.3f} ms each)")
+        print(
+            f"| {label} | {a['samples_per_s']:.1f} | {a['window_samples_per_s']:.1f} | "
+            f"{' / '.join(f'{b:.2f}' for b in a['busy_fraction'])} | {a['mean_busy_fraction']:.2f} | "
+            f"{' / '.join(f'{c:.2f}' for c in a['cpu_fraction'])} | "
+            f"{' / '.join(f'{q:.1f}' for q in a['mean_queue'])} |"
+        )
+    print(
+        f"\nasync / flush: busy fraction x{ratio:.2f} (mean; lowest per stage x{min_ratio:.2f}), "
+        f"CPU fraction x{agg['async']['mean_cpu_fraction'] / agg['flush']['mean_cpu_fraction']:.2f}, "
+        f"samples/s x{agg['async']['window_samples_per_s'] / agg['flush']['window_samples_per_s']:.2f}; "
+        f"bar x1.5: {'met' if ratio >= 1.5 else 'NOT met'}"
+    )
+    print(
+        f"\nper micro-batch, ms ({tensors_per_mb} activation-sized tensors of {mb}x{args.seq_len}x{args.d_model} fp16 "
+        f"per micro-batch; encode {1e3 * enc:.3f} ms, decode {1e3 * dec:.3f} ms each)"
+    )
     print("| run | latency | compute (peers' busy) | encode | decode | transfer | queue | peers' CPU |")
     print("|---|---|---|---|---|---|---|---|")
     for name, b in breakdown.items():
-        print(f"| {name} | {b['latency_ms']:.0f} | {b['compute_ms']:.0f} | {b['encode_ms']:.1f} | {b['decode_ms']:.1f} | "
-              f"{b['transfer_ms']:.0f} | {b['queue_ms']:.0f} | {1e3 * agg[name]['peer_cpu_s_per_mb']:.0f} |")
+        print(
+            f"| {name} | {b['latency_ms']:.0f} | {b['compute_ms']:.0f} | {b['encode_ms']:.1f} | {b['decode_ms']:.1f} | "
+            f"{b['transfer_ms']:.0f} | {b['queue_ms']:.0f} | {1e3 * agg[name]['peer_cpu_s_per_mb']:.0f} |"
+        )
 
-    out = {"stages": P, "flush_every": K, "in_flight": in_flight, "steps": args.steps, "d_model": args.d_model,
-           "microbatch": mb, "seq_len": args.seq_len, "runs": runs, "aggregate": agg, "busy_ratio_async_vs_flush": ratio,
-           "busy_ratio_min_stage": min_ratio, "bar_met": ratio >= 1.5,
-           "codec": {"name": "fp16", "encode_s": enc, "decode_s": dec, "tensors_per_microbatch": tensors_per_mb},
-           "breakdown_ms": breakdown, "loadavg": os.getloadavg()}
+    out = {
+        "stages": P,
+        "flush_every": K,
+        "in_flight": in_flight,
+        "steps": args.steps,
+        "d_model": args.d_model,
+        "microbatch": mb,
+        "seq_len": args.seq_len,
+        "runs": runs,
+        "aggregate": agg,
+        "busy_ratio_async_vs_flush": ratio,
+        "busy_ratio_min_stage": min_ratio,
+        "bar_met": ratio >= 1.5,
+        "codec": {"name": "fp16", "encode_s": enc, "decode_s": dec, "tensors_per_microbatch": tensors_per_mb},
+        "breakdown_ms": breakdown,
+        "loadavg": os.getloadavg(),
+    }
     write_results(args.out, out)
 
 

@@ -11,6 +11,7 @@ A checkpoint is written into a temporary folder and renamed into place, so a
 crash mid-write never leaves a half checkpoint behind ``latest``. A stage that
 could not be pulled this round is carried over from the previous checkpoint.
 """
+
 from __future__ import annotations
 
 import json
@@ -65,7 +66,9 @@ class CheckpointStore:
         for stage in range(self.num_stages):
             if stage in states:
                 state = states[stage]
-                save_file({k: v.contiguous() for k, v in state.tensors.items()}, str(tmp / f"stage-{stage}.safetensors"))
+                save_file(
+                    {k: v.contiguous() for k, v in state.tensors.items()}, str(tmp / f"stage-{stage}.safetensors")
+                )
                 meta = dict(state.meta, digest=state.digest())
                 (tmp / f"stage-{stage}.json").write_text(json.dumps(meta))
                 stages[str(stage)] = {"version": state.version, "digest": meta["digest"], "saved_at": time.time()}
@@ -127,11 +130,16 @@ class CheckpointServicer(swarm_pb2_grpc.StageServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         stage = int(state.meta.get("stage", -1))
         if state.meta.get("run_id") != self.run_id or not 0 <= stage < self.store.num_stages:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"state for run {state.meta.get('run_id')!r} stage {stage} does not belong here")
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"state for run {state.meta.get('run_id')!r} stage {stage} does not belong here",
+            )
         manifest = self.store.save({stage: state})
         if self.on_saved is not None:
             await self.on_saved(manifest, reason=f"handoff of stage {stage}")
-        return swarm_pb2.PushStateResponse(accepted=True, version=state.version, detail=f"checkpointed as step {manifest['step']}")
+        return swarm_pb2.PushStateResponse(
+            accepted=True, version=state.version, detail=f"checkpointed as step {manifest['step']}"
+        )
 
     async def Info(self, request: swarm_pb2.InfoRequest, context: grpc.aio.ServicerContext) -> swarm_pb2.InfoResponse:
         return swarm_pb2.InfoResponse(state="coordinator", stage=-1)

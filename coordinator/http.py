@@ -3,6 +3,7 @@
 A stdlib ThreadingHTTPServer on its own thread: it only reads snapshots the
 coordinator's event loop publishes, so it never blocks the loop (or vice versa).
 """
+
 from __future__ import annotations
 
 import json

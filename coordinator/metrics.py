@@ -6,11 +6,13 @@ checkpoint. Gauges describe the swarm as last polled; counters are kept
 monotonic here, so a trainer that leaves (and takes its cumulative counts with
 it) never makes a ``_total`` go down.
 """
+
 from __future__ import annotations
 
 import threading
 import time
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -60,7 +62,7 @@ class SwarmCollector(Collector):
         if self._last_event is not None:
             for i in range(len(events) - 1, -1, -1):
                 if events[i] is self._last_event:
-                    new = events[i + 1:]
+                    new = events[i + 1 :]
                     break
         for e in new:
             kind = str(e.get("kind", "unknown"))
@@ -88,21 +90,38 @@ class SwarmCollector(Collector):
         g.add_metric([], float(spec.get("num_stages", len(stages))))
         yield g
 
-        peers = GaugeMetricFamily("swarmpipe_stage_peers", "Replicas announced per stage and state",
-                                  labels=["stage", "state"])
-        throughput = GaugeMetricFamily("swarmpipe_stage_throughput_microbatches_per_second",
-                                       "Total throughput of a stage's non-draining replicas", labels=["stage"])
-        queue = GaugeMetricFamily("swarmpipe_stage_queue_depth", "Requests queued on a stage's replicas", labels=["stage"])
-        version = GaugeMetricFamily("swarmpipe_stage_weight_version_max", "Newest weight version among a stage's replicas",
-                                    labels=["stage"])
-        spread = GaugeMetricFamily("swarmpipe_stage_version_lag_max_steps",
-                                   "Largest lag of a replica behind its stage's newest version", labels=["stage"])
-        bottleneck = GaugeMetricFamily("swarmpipe_stage_bottleneck", "1 for the stage with the least total throughput",
-                                       labels=["stage"])
-        p_tp = GaugeMetricFamily("swarmpipe_peer_throughput_microbatches_per_second", "A replica's announced throughput",
-                                 labels=["stage", "peer"])
-        p_age = GaugeMetricFamily("swarmpipe_peer_record_age_seconds",
-                                  "Age of a replica's DHT record when the coordinator last polled", labels=["stage", "peer"])
+        peers = GaugeMetricFamily(
+            "swarmpipe_stage_peers", "Replicas announced per stage and state", labels=["stage", "state"]
+        )
+        throughput = GaugeMetricFamily(
+            "swarmpipe_stage_throughput_microbatches_per_second",
+            "Total throughput of a stage's non-draining replicas",
+            labels=["stage"],
+        )
+        queue = GaugeMetricFamily(
+            "swarmpipe_stage_queue_depth", "Requests queued on a stage's replicas", labels=["stage"]
+        )
+        version = GaugeMetricFamily(
+            "swarmpipe_stage_weight_version_max", "Newest weight version among a stage's replicas", labels=["stage"]
+        )
+        spread = GaugeMetricFamily(
+            "swarmpipe_stage_version_lag_max_steps",
+            "Largest lag of a replica behind its stage's newest version",
+            labels=["stage"],
+        )
+        bottleneck = GaugeMetricFamily(
+            "swarmpipe_stage_bottleneck", "1 for the stage with the least total throughput", labels=["stage"]
+        )
+        p_tp = GaugeMetricFamily(
+            "swarmpipe_peer_throughput_microbatches_per_second",
+            "A replica's announced throughput",
+            labels=["stage", "peer"],
+        )
+        p_age = GaugeMetricFamily(
+            "swarmpipe_peer_record_age_seconds",
+            "Age of a replica's DHT record when the coordinator last polled",
+            labels=["stage", "peer"],
+        )
         slowest = bottleneck_stage(stages)
         for s in stages:
             label = str(s["index"])
@@ -126,7 +145,9 @@ class SwarmCollector(Collector):
         yield g
         losses = [t["loss"] for t in trainers if t.get("loss") is not None]
         if losses:
-            g = GaugeMetricFamily("swarmpipe_swarm_loss_nats", "Mean recent training loss over trainers (cross-entropy, nats)")
+            g = GaugeMetricFamily(
+                "swarmpipe_swarm_loss_nats", "Mean recent training loss over trainers (cross-entropy, nats)"
+            )
             g.add_metric([], sum(losses) / len(losses))
             yield g
         g = GaugeMetricFamily("swarmpipe_swarm_samples_per_second", "Training samples per second, summed over trainers")
@@ -140,8 +161,9 @@ class SwarmCollector(Collector):
             counter.add_metric([], trainer_totals[name])
             yield counter
 
-        events_counter = CounterMetricFamily("swarmpipe_coordinator_events", "Events the coordinator recorded, by kind",
-                                             labels=["kind"])
+        events_counter = CounterMetricFamily(
+            "swarmpipe_coordinator_events", "Events the coordinator recorded, by kind", labels=["kind"]
+        )
         for kind, count in sorted(event_totals.items()):
             events_counter.add_metric([kind], float(count))
         yield events_counter
@@ -159,8 +181,10 @@ class SwarmCollector(Collector):
             g.add_metric([], float(checkpoint.get("step") or 0))
             yield g
 
-        g = GaugeMetricFamily("swarmpipe_coordinator_snapshot_age_seconds",
-                              "Seconds since the coordinator last polled the DHT (-1 before the first poll)")
+        g = GaugeMetricFamily(
+            "swarmpipe_coordinator_snapshot_age_seconds",
+            "Seconds since the coordinator last polled the DHT (-1 before the first poll)",
+        )
         g.add_metric([], now - polled_at if polled_at else -1.0)
         yield g
 

@@ -4,6 +4,7 @@ It is not on the data path: peers re-publish the spec they hold, so the swarm
 trains on while the coordinator is down. Its identity file and saved DHT port
 give it the same multiaddr after a restart.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -19,14 +20,14 @@ import grpc
 
 from swarmpipe.coordinator.checkpoints import CheckpointServicer, CheckpointStore
 from swarmpipe.coordinator.http import SwarmHttpServer
-from swarmpipe.peer.transport.channels import server_options
 from swarmpipe.peer.config import CoordinatorConfig
 from swarmpipe.peer.events import EventLog
-from swarmpipe.peer.swarm.records import CheckpointRecord, PeerState, RunIndexRecord, now
 from swarmpipe.peer.spec import RunSpec, load_spec
 from swarmpipe.peer.stage.state import StateError
 from swarmpipe.peer.stage.state_transfer import download_state
 from swarmpipe.peer.swarm.dht import SwarmDHT, start_dht, visible_maddrs
+from swarmpipe.peer.swarm.records import CheckpointRecord, PeerState, RunIndexRecord, now
+from swarmpipe.peer.transport.channels import server_options
 from swarmpipe.protos import swarm_pb2_grpc
 
 log = logging.getLogger("swarmpipe.coordinator")
@@ -51,7 +52,12 @@ class Coordinator:
         self.stop_requested = asyncio.Event()
         self.dht = None
         self.swarm: SwarmDHT | None = None
-        self.snapshot: dict[str, Any] = {"run_id": self.spec.run_id, "spec": self.spec.to_dict(), "stages": [], "trainers": []}
+        self.snapshot: dict[str, Any] = {
+            "run_id": self.spec.run_id,
+            "spec": self.spec.to_dict(),
+            "stages": [],
+            "trainers": [],
+        }
         self.history: deque[dict[str, Any]] = deque(maxlen=HISTORY_POINTS)
         self.recent_events: deque[dict[str, Any]] = deque(maxlen=200)
         self._known_peers: dict[str, tuple[int, str]] = {}
@@ -70,8 +76,9 @@ class Coordinator:
         port = cfg.dht_port or (_saved_port(cfg.identity) if cfg.identity else 0)
         if cfg.identity:
             os.makedirs(os.path.dirname(os.path.abspath(cfg.identity)), exist_ok=True)
-        self.dht = await asyncio.to_thread(start_dht, cfg.initial_peers, cfg.host, port, cfg.identity or None,
-                                           cfg.announce_host or None)
+        self.dht = await asyncio.to_thread(
+            start_dht, cfg.initial_peers, cfg.host, port, cfg.identity or None, cfg.announce_host or None
+        )
         try:
             return await self._serve()
         finally:
@@ -100,8 +107,13 @@ class Coordinator:
             tmp = cfg.peers_file + ".tmp"
             Path(tmp).write_text("\n".join(self.initial_peers) + "\n")
             os.replace(tmp, cfg.peers_file)
-        self.events.emit("started", run_id=self.spec.run_id, stages=self.spec.num_stages, http_port=http_port,
-                         initial_peers=self.initial_peers[0])
+        self.events.emit(
+            "started",
+            run_id=self.spec.run_id,
+            stages=self.spec.num_stages,
+            http_port=http_port,
+            initial_peers=self.initial_peers[0],
+        )
         tasks = [asyncio.create_task(self._publish_loop()), asyncio.create_task(self._poll_loop())]
         if self.store is not None and cfg.checkpoint_every > 0:
             tasks.append(asyncio.create_task(self._checkpoint_loop()))
@@ -115,8 +127,12 @@ class Coordinator:
     async def _publish(self) -> None:
         ttl = 6 * self.cfg.publish_period
         await self.swarm.publish_spec(self.spec, ttl=max(ttl, 3600))
-        index = RunIndexRecord(run_id=self.spec.run_id, num_stages=self.spec.num_stages,
-                               coordinator=self.initial_peers[0] if self.initial_peers else "", updated_at=now())
+        index = RunIndexRecord(
+            run_id=self.spec.run_id,
+            num_stages=self.spec.num_stages,
+            coordinator=self.initial_peers[0] if self.initial_peers else "",
+            updated_at=now(),
+        )
         await self.swarm.list_in_index(index, ttl=max(ttl, 3600))
 
         if self.last_checkpoint is not None and self.grpc_address:
@@ -142,9 +158,12 @@ class Coordinator:
     async def _publish_checkpoint(self, manifest: dict[str, Any]) -> None:
         stages = manifest.get("stages", {})
         record = CheckpointRecord(
-            step=int(manifest["step"]), created_at=float(manifest.get("created_at", now())), url=self.grpc_address,
+            step=int(manifest["step"]),
+            created_at=float(manifest.get("created_at", now())),
+            url=self.grpc_address,
             versions=[int(stages.get(str(s), {}).get("version", -1)) for s in range(self.spec.num_stages)],
-            digests=[str(stages.get(str(s), {}).get("digest", "")) for s in range(self.spec.num_stages)])
+            digests=[str(stages.get(str(s), {}).get("digest", "")) for s in range(self.spec.num_stages)],
+        )
         await self.swarm.publish_checkpoint(record, ttl=3600)
 
     async def _checkpoint_saved(self, manifest: dict[str, Any], reason: str) -> None:
@@ -163,8 +182,9 @@ class Coordinator:
                 continue  # nothing new to save for this stage
             for record in online[:2]:
                 try:
-                    states[stage] = await download_state([record.address], self.spec.run_id, stage,
-                                                         self.spec.limits.max_message_mb)
+                    states[stage] = await download_state(
+                        [record.address], self.spec.run_id, stage, self.spec.limits.max_message_mb
+                    )
                     break
                 except StateError as e:
                     log.warning("coordinator could not pull stage %d from %s: %s", stage, record.address, e)
@@ -199,27 +219,64 @@ class Coordinator:
         for index, peers in enumerate(stages):
             rows = []
             for peer_id, r in sorted(peers.items()):
-                rows.append({"peer_id": peer_id, "address": r.address, "state": r.state.value, "throughput": r.throughput,
-                             "queue": r.queue, "version": r.version, "updated_at": r.updated_at,
-                             "metrics_address": r.metrics_address})
+                rows.append(
+                    {
+                        "peer_id": peer_id,
+                        "address": r.address,
+                        "state": r.state.value,
+                        "throughput": r.throughput,
+                        "queue": r.queue,
+                        "version": r.version,
+                        "updated_at": r.updated_at,
+                        "metrics_address": r.metrics_address,
+                    }
+                )
                 seen[peer_id] = (index, r.state.value)
             live = [p for p in rows if p["state"] != PeerState.DRAINING.value]
-            stage_rows.append({"index": index, "peers": rows, "throughput": sum(p["throughput"] for p in live),
-                               "max_version": max((p["version"] for p in rows), default=0)})
+            stage_rows.append(
+                {
+                    "index": index,
+                    "peers": rows,
+                    "throughput": sum(p["throughput"] for p in live),
+                    "max_version": max((p["version"] for p in rows), default=0),
+                }
+            )
         self._diff_membership(seen)
-        trainer_rows = [{"peer_id": pid, "step": t.step, "loss": t.loss, "samples_per_s": t.samples_per_s,
-                         "microbatches_completed": t.microbatches_completed, "microbatches_retried": t.microbatches_retried,
-                         "microbatches_lost": t.microbatches_lost, "updated_at": t.updated_at}
-                        for pid, t in sorted(trainers.items())]
-        self.snapshot = {"run_id": self.spec.run_id, "spec": self.spec.to_dict(), "stages": stage_rows,
-                         "trainers": trainer_rows, "checkpoint": self.last_checkpoint,
-                         "coordinator": {"peer_id": self.events.peer_id, "initial_peers": self.initial_peers,
-                                         "checkpoint_server": self.grpc_address},
-                         "updated_at": time.time()}
+        trainer_rows = [
+            {
+                "peer_id": pid,
+                "step": t.step,
+                "loss": t.loss,
+                "samples_per_s": t.samples_per_s,
+                "microbatches_completed": t.microbatches_completed,
+                "microbatches_retried": t.microbatches_retried,
+                "microbatches_lost": t.microbatches_lost,
+                "updated_at": t.updated_at,
+            }
+            for pid, t in sorted(trainers.items())
+        ]
+        self.snapshot = {
+            "run_id": self.spec.run_id,
+            "spec": self.spec.to_dict(),
+            "stages": stage_rows,
+            "trainers": trainer_rows,
+            "checkpoint": self.last_checkpoint,
+            "coordinator": {
+                "peer_id": self.events.peer_id,
+                "initial_peers": self.initial_peers,
+                "checkpoint_server": self.grpc_address,
+            },
+            "updated_at": time.time(),
+        }
         losses = [t["loss"] for t in trainer_rows if t["loss"] is not None]
-        self.history.append({"time": time.time(), "loss": sum(losses) / len(losses) if losses else None,
-                             "samples_per_s": sum(t["samples_per_s"] for t in trainer_rows),
-                             "step": max((t["step"] for t in trainer_rows), default=0)})
+        self.history.append(
+            {
+                "time": time.time(),
+                "loss": sum(losses) / len(losses) if losses else None,
+                "samples_per_s": sum(t["samples_per_s"] for t in trainer_rows),
+                "step": max((t["step"] for t in trainer_rows), default=0),
+            }
+        )
 
     def _diff_membership(self, seen: dict[str, tuple[int, str]]) -> None:
         for peer_id, (stage, state) in seen.items():

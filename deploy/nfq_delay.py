@@ -13,6 +13,7 @@ no libnetfilter_queue. Needs CAP_NET_ADMIN (run as root in the container).
 ``swarmpipe-netem delay 100ms 20ms`` starts it and inserts the rule with
 ``--queue-bypass``, so traffic flows undelayed if this program dies.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -71,13 +72,18 @@ class NfQueue:
         self._config(_attr(NFQA_CFG_CMD, struct.pack("!BxH", NFQNL_CFG_CMD_BIND, AF_UNSPEC)))
         self._config(_attr(NFQA_CFG_PARAMS, struct.pack("!IB", 0, NFQNL_COPY_META)))
         self._config(_attr(NFQA_CFG_QUEUE_MAXLEN, struct.pack("!I", maxlen)))
-        self._config(_attr(NFQA_CFG_MASK, struct.pack("!I", NFQA_CFG_F_FAIL_OPEN))
-                     + _attr(NFQA_CFG_FLAGS, struct.pack("!I", NFQA_CFG_F_FAIL_OPEN)))
+        self._config(
+            _attr(NFQA_CFG_MASK, struct.pack("!I", NFQA_CFG_F_FAIL_OPEN))
+            + _attr(NFQA_CFG_FLAGS, struct.pack("!I", NFQA_CFG_F_FAIL_OPEN))
+        )
 
     def _message(self, msg_type: int, flags: int, body: bytes) -> bytes:
         self.seq += 1
         payload = struct.pack("=BB", AF_UNSPEC, 0) + struct.pack("!H", self.queue) + body
-        return NLMSGHDR.pack(NLMSGHDR.size + len(payload), (NFNL_SUBSYS_QUEUE << 8) | msg_type, flags, self.seq, 0) + payload
+        return (
+            NLMSGHDR.pack(NLMSGHDR.size + len(payload), (NFNL_SUBSYS_QUEUE << 8) | msg_type, flags, self.seq, 0)
+            + payload
+        )
 
     def _config(self, attrs: bytes) -> None:
         self.sock.send(self._message(NFQNL_MSG_CONFIG, NLM_F_REQUEST | NLM_F_ACK, attrs))
@@ -99,7 +105,7 @@ class NfQueue:
             length, msg_type, flags, seq, _ = NLMSGHDR.unpack_from(data, offset)
             if length < NLMSGHDR.size:
                 break
-            yield msg_type, flags, seq, data[offset + NLMSGHDR.size: offset + length]
+            yield msg_type, flags, seq, data[offset + NLMSGHDR.size : offset + length]
             offset += (length + 3) & ~3
 
     def packets(self, data: bytes):
@@ -124,8 +130,13 @@ class NfQueue:
 
     def close(self) -> None:
         try:
-            self.sock.send(self._message(NFQNL_MSG_CONFIG, NLM_F_REQUEST,
-                                         _attr(NFQA_CFG_CMD, struct.pack("!BxH", NFQNL_CFG_CMD_UNBIND, AF_UNSPEC))))
+            self.sock.send(
+                self._message(
+                    NFQNL_MSG_CONFIG,
+                    NLM_F_REQUEST,
+                    _attr(NFQA_CFG_CMD, struct.pack("!BxH", NFQNL_CFG_CMD_UNBIND, AF_UNSPEC)),
+                )
+            )
         except OSError:
             pass
         self.sock.close()
@@ -188,7 +199,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return run(args.queue, args.delay, args.jitter, args.ready_file, args.seed)
     except OSError as e:
-        print(f"nfq_delay: {e} (needs CAP_NET_ADMIN: run as root in a container with cap_add NET_ADMIN)", file=sys.stderr)
+        print(
+            f"nfq_delay: {e} (needs CAP_NET_ADMIN: run as root in a container with cap_add NET_ADMIN)", file=sys.stderr
+        )
         return 1
 
 

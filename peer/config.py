@@ -4,6 +4,7 @@ Every field becomes a flag ``--field-name`` and reads ``SWARMPIPE_FIELD_NAME``;
 see :mod:`swarmpipe.cli.args` for precedence (flag > environment > config file > default).
 Field metadata ``help`` documents the flag.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -33,7 +34,9 @@ class PeerConfig(CommonConfig):
     port: int = opt(0, "gRPC port (0 picks a free one)")
     dht_port: int = opt(0, "DHT port (0 picks a free one)")
     metrics_port: int = opt(-1, "Prometheus /metrics port (-1 disables, 0 picks a free one)")
-    announce_period: float = opt(5.0, "seconds between DHT announcements (records expire after 3 periods, 10 s at least)")
+    announce_period: float = opt(
+        5.0, "seconds between DHT announcements (records expire after 3 periods, 10 s at least)"
+    )
     drain_timeout: float = opt(20.0, "seconds to finish in-flight work on SIGTERM")
     ready_file: str = opt("", "write a JSON line with the peer's address and stage once it serves")
     spec_timeout: float = opt(120.0, "seconds to wait for the run spec in the DHT")
@@ -46,7 +49,10 @@ class TrainerConfig(CommonConfig):
     steps: int = opt(200, "micro-batches to complete")
     max_time: float = opt(0.0, "stop after this many seconds of training (0: no limit); in-flight work still finishes")
     in_flight: int = opt(0, "micro-batches in flight (0: two per stage)")
-    flush_every: int = opt(0, "synchronous baseline: wait for every micro-batch in flight after each K started (0: never, the asynchronous schedule)")
+    flush_every: int = opt(
+        0,
+        "synchronous baseline: wait for every micro-batch in flight after each K started (0: never, the asynchronous schedule)",
+    )
     data: str = opt("", "text file or folder to train on (default: the Python standard library's source)")
     report: str = opt("", "write a JSON report here at the end")
     seed: int = opt(1, "data sampling seed")

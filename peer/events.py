@@ -1,4 +1,5 @@
 """Logging and the JSON-lines event log: one line per event, with role and short peer id."""
+
 from __future__ import annotations
 
 import json

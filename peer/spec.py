@@ -4,14 +4,16 @@ The coordinator publishes it in the DHT under ``{run_id}.spec`` as a plain dict
 (msgpack on the wire, never pickle); peers and trainers rebuild it with
 :func:`spec_from_dict`, which refuses unknown schema versions and bad values.
 """
+
 from __future__ import annotations
 
 import dataclasses
 import logging
-import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+import tomllib
 
 from swarmpipe.peer.transport import codecs
 
@@ -64,6 +66,7 @@ class UpdateSpec:
 @dataclass
 class BatchingSpec:
     """Server-side batching: requests that queue behind a busy stage run as one compute call."""
+
     max_microbatches: int = 4  # requests merged into one forward / backward (1 disables batching)
     wait_ms: float = 0.0  # how long a lone request waits for company (0: batches form only under load)
     backward_wait_ms: float = 10.0  # a backward waits this long for the rest of its forward batch
@@ -73,6 +76,7 @@ class BatchingSpec:
 class CompressionSpec:
     """Codec per tensor role, by name from peer/transport/codecs.py; "auto" (activations, gradients)
     lets each link choose from the bandwidth it measures."""
+
     activations: str = "fp16"
     gradients: str = "fp16"
     state: str = "none"
@@ -113,9 +117,11 @@ class RunSpec:
         start = sum(counts[:stage])
         return range(start, start + counts[stage])
 
-    def validate(self) -> "RunSpec":
+    def validate(self) -> RunSpec:
         if self.schema_version != SCHEMA_VERSION:
-            raise SpecError(f"spec schema version {self.schema_version} is not supported (this peer knows {SCHEMA_VERSION})")
+            raise SpecError(
+                f"spec schema version {self.schema_version} is not supported (this peer knows {SCHEMA_VERSION})"
+            )
         if self.num_stages < 1:
             raise SpecError("num_stages must be >= 1")
         m = self.model
@@ -163,7 +169,11 @@ def _build(cls: type, data: dict[str, Any], path: str) -> Any:
         if dataclasses.is_dataclass(default):
             kwargs[name] = _build(type(default), value, where)
         elif isinstance(default, tuple):
-            if not isinstance(value, (list, tuple)) or len(value) != len(default) or not all(_is_number(v) for v in value):
+            if (
+                not isinstance(value, (list, tuple))
+                or len(value) != len(default)
+                or not all(_is_number(v) for v in value)
+            ):
                 raise SpecError(f"{where} must be a list of {len(default)} numbers, got {value!r}")
             kwargs[name] = tuple(float(v) for v in value)
         elif isinstance(default, bool):
@@ -172,7 +182,9 @@ def _build(cls: type, data: dict[str, Any], path: str) -> Any:
             kwargs[name] = value
         elif isinstance(default, (int, float)):
             if not _is_number(value) or (isinstance(default, int) and float(value) != int(value)):
-                raise SpecError(f"{where} must be a number{' (an integer)' if isinstance(default, int) else ''}, got {value!r}")
+                raise SpecError(
+                    f"{where} must be a number{' (an integer)' if isinstance(default, int) else ''}, got {value!r}"
+                )
             kwargs[name] = type(default)(value)
         elif isinstance(default, list):
             if not isinstance(value, list) or not all(_is_number(v) and float(v) == int(v) for v in value):

@@ -12,6 +12,7 @@ here by setuptools (``[tool.setuptools.package-dir]`` in pyproject.toml):
 
 Imports point down: cli -> coordinator -> peer -> protos (docs/ARCHITECTURE.md).
 """
+
 from __future__ import annotations
 
 from importlib import metadata

@@ -1,10 +1,10 @@
 """Shared fixtures: a real swarm of subprocesses on 127.0.0.1 that is always torn down."""
+
 from __future__ import annotations
 
 from pathlib import Path
 
 import pytest
-
 from swarm_support import Swarm
 
 

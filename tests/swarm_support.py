@@ -3,6 +3,7 @@
 The swarm itself is :class:`swarmpipe.cli.local_swarm.LocalSwarm`, the launcher ``swarmpipe demo``
 and ``bench/`` use too; here it gets the test defaults and the invariants every scenario checks.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -18,10 +19,12 @@ class Swarm(LocalSwarm):
 
     run_id: str = "test"
 
-    def start_coordinator(self, spec: Path | None = None, *args: str, wait: bool = True, http_port: int = 0,
-                          timeout: float = 60) -> Launched:
-        return super().start_coordinator(spec or self.write_spec(), *args, wait=wait, http_port=http_port,
-                                         timeout=timeout)
+    def start_coordinator(
+        self, spec: Path | None = None, *args: str, wait: bool = True, http_port: int = 0, timeout: float = 60
+    ) -> Launched:
+        return super().start_coordinator(
+            spec or self.write_spec(), *args, wait=wait, http_port=http_port, timeout=timeout
+        )
 
 
 def kill_tree(launched: Launched) -> None:
@@ -35,9 +38,11 @@ def events_of(swarm: LocalSwarm, kind: str) -> list[dict]:
 
 def wait_step(swarm: LocalSwarm, step: int, trainer: Launched, timeout: float = 180) -> int:
     """Wait until the trainer reports at least ``step`` completed micro-batches; returns the newest step."""
+
     def newest() -> int:
         steps = [e.get("step") or 0 for e in events_of(swarm, "progress")]
         return max(steps, default=0)
+
     wait_for(lambda: newest() >= step and newest() or (step == 0), timeout, f"trainer step {step}", procs=[trainer])
     return newest()
 
@@ -46,6 +51,8 @@ def assert_trained(report: dict, min_steps: int) -> None:
     """The invariants every fault scenario ends with."""
     report = {k: v for k, v in report.items() if k != "losses"}
     assert report["microbatches_lost"] == 0, report
-    assert report["microbatches_completed"] + report["microbatches_dropped_stale"] == report["microbatches_started"], report
+    assert report["microbatches_completed"] + report["microbatches_dropped_stale"] == report["microbatches_started"], (
+        report
+    )
     assert report["microbatches_completed"] >= min_steps, report
     assert report["loss_last"] < report["loss_first"] - 0.3, (report["loss_first"], report["loss_last"])

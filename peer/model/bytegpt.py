@@ -4,6 +4,7 @@ Every block is initialised from its own seed (run seed, block index), so a
 stage built alone has exactly the weights the same blocks have in the whole
 model, and every fresh replica of a stage starts identical.
 """
+
 from __future__ import annotations
 
 import math

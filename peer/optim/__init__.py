@@ -6,10 +6,11 @@ The stage runtime calls, for every local update::
     clip_grad_norm_(params, spec.clip_norm)
     optimizer.step(); optimizer.zero_grad()
 """
+
 from __future__ import annotations
 
 import math
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch
 from torch import nn
@@ -51,11 +52,23 @@ def build_optimizer(
         return torch.optim.AdamW(params, lr=spec.lr, betas=spec.betas, eps=spec.eps, weight_decay=spec.weight_decay)
     if spec.kind == "nesterov":
         beta1 = spec.nesterov_beta1 if spec.stash else stage_beta1(spec.nesterov_beta1, stage, num_stages)
-        return PipelineNesterov(params, lr=spec.lr, betas=(beta1, spec.betas[1]), eps=spec.eps,
-                                weight_decay=spec.weight_decay, momentum_decay=spec.momentum_decay)
+        return PipelineNesterov(
+            params,
+            lr=spec.lr,
+            betas=(beta1, spec.betas[1]),
+            eps=spec.eps,
+            weight_decay=spec.weight_decay,
+            momentum_decay=spec.momentum_decay,
+        )
     if spec.kind == "basis_rotation":
-        return BasisRotationAdam(rotation_param_groups(named), lr=spec.lr, betas=spec.betas, eps=spec.eps,
-                                 weight_decay=spec.weight_decay, rotation_every=spec.rotation_every)
+        return BasisRotationAdam(
+            rotation_param_groups(named),
+            lr=spec.lr,
+            betas=spec.betas,
+            eps=spec.eps,
+            weight_decay=spec.weight_decay,
+            rotation_every=spec.rotation_every,
+        )
     raise ValueError(f"optimizer kind {spec.kind!r} is not available")
 
 
@@ -71,7 +84,9 @@ def stage_lr_factor(spec: OptimizerSpec, step: int, stage: int, num_stages: int)
     return stage_delay(stage, num_stages) ** -(1.0 - min(step / horizon, 1.0))
 
 
-def set_learning_rate(optimizer: torch.optim.Optimizer, spec: OptimizerSpec, step: int, stage: int, num_stages: int) -> float:
+def set_learning_rate(
+    optimizer: torch.optim.Optimizer, spec: OptimizerSpec, step: int, stage: int, num_stages: int
+) -> float:
     lr = scheduled_lr(spec, step) * stage_lr_factor(spec, step, stage, num_stages)
     for group in optimizer.param_groups:
         group["lr"] = lr

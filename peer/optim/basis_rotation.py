@@ -22,9 +22,11 @@ math in the same optimizer, so one ``state_dict`` covers the whole stage. With t
 identity basis (``init_basis="identity"``, ``rotation_every=0``) a rotate group is
 exactly AdamW.
 """
+
 from __future__ import annotations
 
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 import torch
 
@@ -66,8 +68,15 @@ class BasisRotationAdam(torch.optim.Optimizer):
             raise ValueError(f"init_basis must be 'eigh' or 'identity', got {init_basis!r}")
         if rotation_every < 0:
             raise ValueError("rotation_every must be >= 0 (0: never refresh the basis)")
-        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
-                        rotation_every=rotation_every, rotate=rotate, init_basis=init_basis)
+        defaults = dict(
+            lr=lr,
+            betas=tuple(betas),
+            eps=eps,
+            weight_decay=weight_decay,
+            rotation_every=rotation_every,
+            rotate=rotate,
+            init_basis=init_basis,
+        )
         super().__init__(params, defaults)
         for group in self.param_groups:
             if group["rotate"] and any(p.dim() != 2 for p in group["params"]):

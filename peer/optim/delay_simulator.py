@@ -22,13 +22,14 @@ Modes:
 Versions are counted in updates: version u is the stage's weights after u optimizer
 steps. During pipeline fill the version is clamped at 0, as in a real pipeline.
 """
+
 from __future__ import annotations
 
 import dataclasses
 import time
 from collections import deque
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Sequence
 
 import torch
 from torch.func import functional_call
@@ -72,8 +73,14 @@ class SimResult:
 class DelaySimulator:
     """P live stages, their optimizers and rings of stashed weight versions."""
 
-    def __init__(self, spec: RunSpec, delays: Sequence[int] | None = None, mode: str = "stash",
-                 accumulate: int | None = None, observer: Callable[[StageEvent], None] | None = None):
+    def __init__(
+        self,
+        spec: RunSpec,
+        delays: Sequence[int] | None = None,
+        mode: str = "stash",
+        accumulate: int | None = None,
+        observer: Callable[[StageEvent], None] | None = None,
+    ):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         self.num_stages = P = spec.num_stages
@@ -81,15 +88,21 @@ class DelaySimulator:
             delays = [0] * P
             accumulate = 4 if accumulate is None else accumulate
             opt = spec.optimizer
-            spec = dataclasses.replace(spec, optimizer=dataclasses.replace(
-                opt, warmup_steps=opt.warmup_steps // accumulate, total_steps=opt.total_steps // accumulate))
+            spec = dataclasses.replace(
+                spec,
+                optimizer=dataclasses.replace(
+                    opt, warmup_steps=opt.warmup_steps // accumulate, total_steps=opt.total_steps // accumulate
+                ),
+            )
         self.delays = list(one_f_one_b_delays(P) if delays is None else delays)
         if len(self.delays) != P or min(self.delays) < 0:
             raise ValueError(f"need {P} non-negative delays, got {self.delays}")
         self.spec, self.mode, self.observer = spec, mode, observer
         self.accumulate = accumulate or 1
         self.stages = [PipelineStage(spec, k) for k in range(P)]
-        self.optimizers = [build_optimizer(s.named_parameters(), spec.optimizer, k, P) for k, s in enumerate(self.stages)]
+        self.optimizers = [
+            build_optimizer(s.named_parameters(), spec.optimizer, k, P) for k, s in enumerate(self.stages)
+        ]
         self.updates = 0
         self.micro = 0
         # ring[k] holds (version, params) for versions updates - tau_k .. updates.
@@ -119,8 +132,10 @@ class DelaySimulator:
 
     def _stash_pass(self, tokens: torch.Tensor, targets: torch.Tensor) -> float:
         # Fresh leaves over the stashed tensors: version 0 may serve several micro-batches.
-        leaves = [{n: t.detach().requires_grad_() for n, t in self.stashed(k, self.version_for(k)).items()}
-                  for k in range(self.num_stages)]
+        leaves = [
+            {n: t.detach().requires_grad_() for n, t in self.stashed(k, self.version_for(k)).items()}
+            for k in range(self.num_stages)
+        ]
         x = tokens
         for k, stage in enumerate(self.stages):
             x = functional_call(stage, leaves[k], (x,))
@@ -184,9 +199,17 @@ class DelaySimulator:
         return sum(losses) / max(1, len(losses))
 
 
-def simulate(spec: RunSpec, steps: int, next_batch: Callable[[], Batch], delays: Sequence[int] | None = None,
-             mode: str = "stash", eval_batches: Sequence[Batch] = (), eval_every: int = 0,
-             accumulate: int | None = None, observer: Callable[[StageEvent], None] | None = None) -> SimResult:
+def simulate(
+    spec: RunSpec,
+    steps: int,
+    next_batch: Callable[[], Batch],
+    delays: Sequence[int] | None = None,
+    mode: str = "stash",
+    eval_batches: Sequence[Batch] = (),
+    eval_every: int = 0,
+    accumulate: int | None = None,
+    observer: Callable[[StageEvent], None] | None = None,
+) -> SimResult:
     """Train for ``steps`` micro-batches; evaluate every ``eval_every`` micro-batches and at the end."""
     sim = DelaySimulator(spec, delays, mode, accumulate, observer)
     result = SimResult()

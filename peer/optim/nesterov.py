@@ -31,9 +31,11 @@ longer delays ``tau_k = max(1, P - 1 - k)``. Two corrections, both per stage:
   :func:`swarmpipe.peer.optim.set_learning_rate`): small steps for long-delay stages early,
   the full rate once t reaches T = ``total_steps``.
 """
+
 from __future__ import annotations
 
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 import torch
 

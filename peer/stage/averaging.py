@@ -13,6 +13,7 @@ meanwhile are kept rather than overwritten.
 
 The averager runs in a forked process: create it before the gRPC server starts.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -39,9 +40,16 @@ class ReplicaAverager:
         self.interval = spec.averaging_interval_s
         self.min_steps = spec.averaging_period
         self.averager = hivemind.averaging.DecentralizedAverager(
-            runtime.weights(), dht, start=True,
-            prefix=f"{spec.run_id}_stage{runtime.stage}_averaging".replace(".", "_"), target_group_size=16, min_group_size=2,
-            min_matchmaking_time=MATCHMAKING_S, request_timeout=1.0, allreduce_timeout=30.0)
+            runtime.weights(),
+            dht,
+            start=True,
+            prefix=f"{spec.run_id}_stage{runtime.stage}_averaging".replace(".", "_"),
+            target_group_size=16,
+            min_group_size=2,
+            min_matchmaking_time=MATCHMAKING_S,
+            request_timeout=1.0,
+            allreduce_timeout=30.0,
+        )
         self.last_version = runtime.version
         self.rounds = 0
         self.failures = 0
@@ -79,8 +87,11 @@ class ReplicaAverager:
             for buf, value in zip(tensors, snapshot):
                 buf.copy_(value)
         version = self.runtime.version
-        result = await asyncio.to_thread(lambda: self.averager.step(
-            scheduled_time=scheduled_time, timeout=scheduled_time - get_dht_time() + 20.0, allow_retries=False))
+        result = await asyncio.to_thread(
+            lambda: self.averager.step(
+                scheduled_time=scheduled_time, timeout=scheduled_time - get_dht_time() + 20.0, allow_retries=False
+            )
+        )
         if result is None:
             self.failures += 1
             self.events.emit("averaging_skipped", level=logging.INFO, reason="no group formed or all-reduce failed")
@@ -90,6 +101,11 @@ class ReplicaAverager:
         await runtime.run(runtime.add_correction, snapshot, averaged)
         self.last_version = self.runtime.version
         self.rounds += 1
-        self.events.emit("averaged", stage=self.runtime.stage, group_size=len(result), version=version,
-                         seconds=round(time.monotonic() - started, 2))
+        self.events.emit(
+            "averaged",
+            stage=self.runtime.stage,
+            group_size=len(result),
+            version=version,
+            seconds=round(time.monotonic() - started, 2),
+        )
         return True

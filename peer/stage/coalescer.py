@@ -11,15 +11,17 @@ Only requests with the same ``key`` (for tensors: trailing shape and dtype) are
 batched together, and at most ``max_items`` at a time. ``run_batch`` returns one
 result or exception per item, so one bad request never fails its neighbours.
 """
+
 from __future__ import annotations
 
 import asyncio
 import logging
 import threading
 from collections import Counter
+from collections.abc import Callable, Hashable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any, Callable, Generic, Hashable, TypeVar
+from typing import Any, Generic, TypeVar
 
 log = logging.getLogger("swarmpipe.coalescer")
 T = TypeVar("T")
@@ -44,8 +46,15 @@ class CoalescerStats:
 
 
 class Coalescer(Generic[T]):
-    def __init__(self, submit: Callable[[Callable[[], Any]], Future], run_batch: Callable[[list[T]], list[Any]], max_items: int = 4,
-                 wait_s: float = 0.0, name: str = "batch", on_batch: Callable[[int], None] | None = None):
+    def __init__(
+        self,
+        submit: Callable[[Callable[[], Any]], Future],
+        run_batch: Callable[[list[T]], list[Any]],
+        max_items: int = 4,
+        wait_s: float = 0.0,
+        name: str = "batch",
+        on_batch: Callable[[int], None] | None = None,
+    ):
         if max_items < 1:
             raise ValueError("max_items must be >= 1")
         self._submit = submit  # queues work on the compute thread (StageRuntime.submit)
@@ -102,7 +111,7 @@ class Coalescer(Generic[T]):
                 self._queue.clear()
                 return []
             key = live[0].key
-            batch = [e for e in live if e.key == key][:self.max_items]
+            batch = [e for e in live if e.key == key][: self.max_items]
             taken = {id(e) for e in batch}
             self._queue = [e for e in live if id(e) not in taken]
             return batch

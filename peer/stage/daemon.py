@@ -1,4 +1,5 @@
 """The volunteer peer: join the DHT, pick a stage, serve it, announce it, drain on SIGTERM."""
+
 from __future__ import annotations
 
 import asyncio
@@ -9,19 +10,19 @@ import signal
 
 import torch
 
-from swarmpipe.peer.stage.averaging import ReplicaAverager
-from swarmpipe.peer.swarm.balance import choose_stage
-from swarmpipe.peer.swarm.bootstrap import neediest_run, resolve_initial_peers
 from swarmpipe.peer.config import PeerConfig
 from swarmpipe.peer.events import EventLog
+from swarmpipe.peer.stage.averaging import ReplicaAverager
 from swarmpipe.peer.stage.lifecycle import Lifecycle
 from swarmpipe.peer.stage.metrics import PeerMetrics
-from swarmpipe.peer.swarm.records import WIRE_PROTOCOL, PeerState, StageRecord, now
-from swarmpipe.peer.stage.runtime import StageRuntime
-from swarmpipe.peer.stage.state_sources import hand_off_state, load_initial_state
 from swarmpipe.peer.stage.rebalancer import Rebalancer
+from swarmpipe.peer.stage.runtime import StageRuntime
 from swarmpipe.peer.stage.server import StageServicer, start_server
+from swarmpipe.peer.stage.state_sources import hand_off_state, load_initial_state
+from swarmpipe.peer.swarm.balance import choose_stage
+from swarmpipe.peer.swarm.bootstrap import neediest_run, resolve_initial_peers
 from swarmpipe.peer.swarm.dht import SwarmDHT, reconnect_bootstrap, start_dht
+from swarmpipe.peer.swarm.records import WIRE_PROTOCOL, PeerState, StageRecord, now
 
 log = logging.getLogger("swarmpipe.peer")
 MIN_RECORD_TTL_S = 10.0
@@ -55,8 +56,15 @@ class PeerDaemon:
             loop.add_signal_handler(sig, self.stop_requested.set)
         initial = self.initial_peers = resolve_initial_peers(cfg.initial_peers, cfg.swarm)
         # Start even if no initial peer answers (a restarting coordinator): wait_for_spec keeps pinging them.
-        self.dht = await asyncio.to_thread(start_dht, initial, cfg.host, cfg.dht_port, None, cfg.announce_host or None,
-                                           require_bootstrap=not cfg.run_id)
+        self.dht = await asyncio.to_thread(
+            start_dht,
+            initial,
+            cfg.host,
+            cfg.dht_port,
+            None,
+            cfg.announce_host or None,
+            require_bootstrap=not cfg.run_id,
+        )
         try:
             return await self._serve()
         finally:
@@ -85,7 +93,8 @@ class PeerDaemon:
         metrics = PeerMetrics()
         self.servicer = StageServicer(runtime, peer_id, metrics, self.lifecycle)
         self.servicer.on_state_pushed = lambda state: self.events.emit(
-            "state_received", from_version=state.version, digest=state.digest(), version=self.servicer.runtime.version)
+            "state_received", from_version=state.version, digest=state.digest(), version=self.servicer.runtime.version
+        )
         self.server, port = await start_server(self.servicer, cfg.host, cfg.port)
         self.address = f"{cfg.announce_host or cfg.host}:{port}"
         if cfg.metrics_port >= 0:
@@ -151,8 +160,12 @@ class PeerDaemon:
         """Refuse new work and wait (bounded by --drain-timeout) for what we hold; returns the deadline."""
         servicer = self.servicer
         self.lifecycle.change(PeerState.DRAINING)
-        self.events.emit("draining", stage=servicer.runtime.stage, pending=len(servicer.runtime.pending),
-                         timeout=self.cfg.drain_timeout)
+        self.events.emit(
+            "draining",
+            stage=servicer.runtime.stage,
+            pending=len(servicer.runtime.pending),
+            timeout=self.cfg.drain_timeout,
+        )
         await self._announce()
         deadline = asyncio.get_running_loop().time() + self.cfg.drain_timeout
         while (servicer.runtime.pending or servicer.in_flight) and asyncio.get_running_loop().time() < deadline:
@@ -174,9 +187,16 @@ class PeerDaemon:
     # ------------------------------------------------------------ announcing
     def record(self, state: PeerState | None = None, throughput: float | None = None) -> StageRecord:
         s = self.servicer
-        return StageRecord(address=self.address, state=state or self.lifecycle.state, queue=s.queue, version=s.runtime.version,
-                           throughput=s.runtime.throughput() if throughput is None else throughput,
-                           updated_at=now(), metrics_address=self.metrics_address, protocol=WIRE_PROTOCOL)
+        return StageRecord(
+            address=self.address,
+            state=state or self.lifecycle.state,
+            queue=s.queue,
+            version=s.runtime.version,
+            throughput=s.runtime.throughput() if throughput is None else throughput,
+            updated_at=now(),
+            metrics_address=self.metrics_address,
+            protocol=WIRE_PROTOCOL,
+        )
 
     @property
     def record_ttl(self) -> float:
@@ -207,10 +227,15 @@ class PeerDaemon:
     def _write_ready(self, run_id: str, stage: int, peer_id: str) -> None:
         if not self.cfg.ready_file:
             return
-        info = {"peer_id": peer_id, "address": self.address, "stage": stage, "run_id": run_id,
-                "metrics_address": self.metrics_address, "pid": os.getpid()}
+        info = {
+            "peer_id": peer_id,
+            "address": self.address,
+            "stage": stage,
+            "run_id": run_id,
+            "metrics_address": self.metrics_address,
+            "pid": os.getpid(),
+        }
         tmp = self.cfg.ready_file + ".tmp"
         with open(tmp, "w") as f:
             json.dump(info, f)
         os.replace(tmp, self.cfg.ready_file)
-

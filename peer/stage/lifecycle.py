@@ -8,9 +8,11 @@ Every change goes through :meth:`Lifecycle.change`, which refuses a transition t
 have; the daemon owns the Lifecycle and logs its events, the server only reads the state
 (``accepting``, ``serves_state``).
 """
+
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable, Protocol
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Protocol
 
 from swarmpipe.peer.events import EventLog
 from swarmpipe.peer.swarm.records import PeerState, StageRecord

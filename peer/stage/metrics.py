@@ -1,4 +1,5 @@
 """Prometheus metrics of one peer (served on ``--metrics-port``)."""
+
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, start_http_server
@@ -14,24 +15,33 @@ class PeerMetrics:
         ProcessCollector(registry=r)  # process_cpu_seconds_total and friends: CPU beside compute busy time
         self.requests = Counter("swarmpipe_requests_total", "RPCs served", ["method"], registry=r)
         self.errors = Counter("swarmpipe_errors_total", "RPCs rejected or failed", ["method", "kind"], registry=r)
-        self.bytes_in = Counter("swarmpipe_received_bytes_total", "Tensor payload bytes received", ["codec"], registry=r)
+        self.bytes_in = Counter(
+            "swarmpipe_received_bytes_total", "Tensor payload bytes received", ["codec"], registry=r
+        )
         self.bytes_out = Counter("swarmpipe_sent_bytes_total", "Tensor payload bytes sent", ["codec"], registry=r)
         self.queue = Gauge("swarmpipe_queue_depth", "Requests waiting for compute", registry=r)
         self.latency = Histogram(
             "swarmpipe_compute_seconds", "Compute time per call", ["method"], buckets=LATENCY_BUCKETS, registry=r
         )
         self.batch = Histogram(
-            "swarmpipe_batch_microbatches", "Micro-batches per compute call (server-side batching)", ["method"],
-            buckets=(1, 2, 3, 4, 6, 8, 12, 16), registry=r,
+            "swarmpipe_batch_microbatches",
+            "Micro-batches per compute call (server-side batching)",
+            ["method"],
+            buckets=(1, 2, 3, 4, 6, 8, 12, 16),
+            registry=r,
         )
         self.delay = Histogram(
-            "swarmpipe_gradient_delay_steps", "Local updates between a micro-batch's forward and backward",
-            buckets=DELAY_BUCKETS, registry=r,
+            "swarmpipe_gradient_delay_steps",
+            "Local updates between a micro-batch's forward and backward",
+            buckets=DELAY_BUCKETS,
+            registry=r,
         )
         self.optimizer_steps = Counter("swarmpipe_optimizer_steps_total", "Local optimizer steps", registry=r)
         self.dropped = Counter("swarmpipe_dropped_gradients_total", "Gradients not applied", ["reason"], registry=r)
         self.version = Gauge("swarmpipe_weight_version", "Local weight version", registry=r)
-        self.throughput = Gauge("swarmpipe_throughput_microbatches_per_second", "Measured compute throughput", registry=r)
+        self.throughput = Gauge(
+            "swarmpipe_throughput_microbatches_per_second", "Measured compute throughput", registry=r
+        )
 
     def serve(self, port: int, host: str = "0.0.0.0") -> int:
         """Start the /metrics endpoint; returns the bound port (port 0 picks a free one)."""

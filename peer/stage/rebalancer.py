@@ -7,6 +7,7 @@ peers count us there and do not pile on), load the target's state while still
 serving the old stage, then drain the old stage, hand its state to a replica,
 and switch. A cooldown after each move stops flapping.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -60,9 +61,11 @@ class Rebalancer:
         mine = runtime.throughput()
         if mine <= 0:
             return None  # not measured yet
+
         # What we would do there: our measured speed scaled by the relative cost of the stages.
         def estimate(target: int) -> float:
             return mine * stage_cost(spec, runtime.stage) / stage_cost(spec, target)
+
         return rebalance_target(stages, runtime.stage, self.host.events.peer_id, mine, estimate=estimate)
 
     async def move(self, target: int) -> None:

@@ -12,13 +12,15 @@ The runtime owns its compute thread: every call that reads or writes its weights
 export/import, blending, averaging corrections) runs there, through :meth:`StageRuntime.run` or
 :meth:`StageRuntime.submit`, so no other module touches its fields or borrows its executor.
 """
+
 from __future__ import annotations
 
 import asyncio
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Callable, TypeVar
+from typing import Any, TypeVar
 
 import torch
 from torch.func import functional_call
@@ -62,7 +64,7 @@ class StageRuntime:
         self._compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"compute-s{stage}")
 
     # ---------------------------------------------------------------- the compute thread
-    def submit(self, fn: Callable[[], T]) -> "Future[T]":
+    def submit(self, fn: Callable[[], T]) -> Future[T]:
         """Queue ``fn`` on this runtime's compute thread (every access to the weights goes there)."""
         return self._compute.submit(fn)
 
@@ -77,8 +79,12 @@ class StageRuntime:
     # ---------------------------------------------------------------- state (call on the compute thread)
     def export_state(self) -> StageState:
         """A consistent copy of weights, optimizer state and version."""
-        meta = {"run_id": self.spec.run_id, "stage": self.stage, "version": self.version,
-                "optimizer": {"kind": self.spec.optimizer.kind}}
+        meta = {
+            "run_id": self.spec.run_id,
+            "stage": self.stage,
+            "version": self.version,
+            "optimizer": {"kind": self.spec.optimizer.kind},
+        }
         return capture(self.module, self.optimizer, meta)
 
     def import_state(self, state: StageState, load_optimizer: bool = True) -> None:
@@ -191,7 +197,9 @@ class StageRuntime:
         ids = [mb for _, mb, _ in members]
         for mb in ids:
             self._forget(mb)
-        if group.params is not None and not group.outstanding:  # all owed members are here: one backward, the group's graph
+        if (
+            group.params is not None and not group.outstanding
+        ):  # all owed members are here: one backward, the group's graph
             grad_full = torch.zeros_like(group.output)
             for _, mb, grad in members:
                 grad_full[group.rows[mb]] = grad.to(grad_full.dtype)
@@ -207,25 +215,37 @@ class StageRuntime:
             self.stats.recomputed += len(ids) if group.params is not None else 0
         grad_input, param_grads = self._differentiate(output, grad_output, x, params)
         shared = self._apply(param_grads, self.stats.steps - group.step, count=len(ids))
-        self._observe(time.perf_counter() - started, sum(r.stop - r.start for r in rows.values()), weight=2 / 3,
-                      microbatches=len(ids))
+        self._observe(
+            time.perf_counter() - started,
+            sum(r.stop - r.start for r in rows.values()),
+            weight=2 / 3,
+            microbatches=len(ids),
+        )
         for i, mb, _ in members:
-            yield i, BackwardResult(None if grad_input is None else grad_input[rows[mb]], shared.delay, shared.applied,
-                                    shared.dropped_reason)
+            yield (
+                i,
+                BackwardResult(
+                    None if grad_input is None else grad_input[rows[mb]],
+                    shared.delay,
+                    shared.applied,
+                    shared.dropped_reason,
+                ),
+            )
 
     def _forget(self, microbatch_id: str) -> None:
         group = self.pending.pop(microbatch_id, None)
         if group is not None:
             group.forget(microbatch_id)
 
-    def _differentiate(self, output: torch.Tensor, grad_output: torch.Tensor | None, x: torch.Tensor,
-                       params: dict[str, torch.Tensor]) -> tuple[torch.Tensor | None, dict[str, torch.Tensor | None]]:
+    def _differentiate(
+        self, output: torch.Tensor, grad_output: torch.Tensor | None, x: torch.Tensor, params: dict[str, torch.Tensor]
+    ) -> tuple[torch.Tensor | None, dict[str, torch.Tensor | None]]:
         """Gradients of ``output`` (a scalar loss when ``grad_output`` is None) for the input and the weights."""
         names = list(params)
         wrt = ([] if self.is_first else [x]) + [params[n] for n in names]
         grads = torch.autograd.grad(output, wrt, grad_output, allow_unused=True)
         grad_input = None if self.is_first else grads[0]
-        return grad_input, dict(zip(names, grads[0 if self.is_first else 1:]))
+        return grad_input, dict(zip(names, grads[0 if self.is_first else 1 :]))
 
     def replay_backward(self, inputs: torch.Tensor, grad_output: torch.Tensor) -> BackwardResult:
         """Backward for a forward that ran on another (vanished) replica: recompute here on live weights."""
@@ -234,8 +254,9 @@ class StageRuntime:
         output = self.module(x)
         if grad_output.shape != output.shape:
             raise ValueError(f"grad_output shape {list(grad_output.shape)} does not match output {list(output.shape)}")
-        grad_input, param_grads = self._differentiate(output, grad_output.to(output.dtype), x,
-                                                      dict(self.module.named_parameters()))
+        grad_input, param_grads = self._differentiate(
+            output, grad_output.to(output.dtype), x, dict(self.module.named_parameters())
+        )
         self.stats.replays += 1
         result = self._apply(param_grads, 0)
         result.grad_input = grad_input
@@ -255,12 +276,16 @@ class StageRuntime:
         gradient is exactly its own loss's, and the weights take one step with
         the mean of their gradients (as if they had been accumulated)."""
         if not self.is_last:
-            raise ValueError(f"stage {self.stage} is not the last stage; ForwardBackward is for stage {self.spec.num_stages - 1}")
+            raise ValueError(
+                f"stage {self.stage} is not the last stage; ForwardBackward is for stage {self.spec.num_stages - 1}"
+            )
         results: list[BackwardResult | Exception | None] = [None] * len(items)
         good = []
         for i, (inputs, targets) in enumerate(items):
             if tuple(targets.shape) != tuple(inputs.shape[:2]):
-                results[i] = ValueError(f"targets shape {list(targets.shape)} does not match inputs {list(inputs.shape[:2])}")
+                results[i] = ValueError(
+                    f"targets shape {list(targets.shape)} does not match inputs {list(inputs.shape[:2])}"
+                )
             elif targets.numel() and (targets.min() < 0 or targets.max() >= self.spec.model.vocab_size):
                 results[i] = ValueError(f"targets must lie in [0, {self.spec.model.vocab_size})")
             elif good and tuple(inputs.shape[1:]) != tuple(items[good[0]][0].shape[1:]):
@@ -274,13 +299,19 @@ class StageRuntime:
         x = joined if self.is_first else joined.detach().float().requires_grad_(True)
         logits = self.module(x)
         losses = [lm_loss(logits[r], items[i][1]) for r, i in zip(rows, good)]
-        grad_input, param_grads = self._differentiate(torch.stack(losses).sum(), None, x,
-                                                      dict(self.module.named_parameters()))
+        grad_input, param_grads = self._differentiate(
+            torch.stack(losses).sum(), None, x, dict(self.module.named_parameters())
+        )
         self.stats.forwards += len(good)
         shared = self._apply(param_grads, 0, count=len(good))
         for k, (r, i) in enumerate(zip(rows, good)):
-            results[i] = BackwardResult(None if grad_input is None else grad_input[r], 0, shared.applied,
-                                        shared.dropped_reason, loss=float(losses[k].detach()))
+            results[i] = BackwardResult(
+                None if grad_input is None else grad_input[r],
+                0,
+                shared.applied,
+                shared.dropped_reason,
+                loss=float(losses[k].detach()),
+            )
         self._observe(time.perf_counter() - started, x.shape[0], weight=1.0, microbatches=len(good))
         return results  # type: ignore[return-value]
 

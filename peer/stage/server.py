@@ -8,52 +8,50 @@ Error contract (status code: when):
   RESOURCE_EXHAUSTED message over the size cap (enforced by grpc itself)
 The peer keeps serving after any of them.
 """
+
 from __future__ import annotations
 
 import asyncio
 import logging
 import time
-from dataclasses import dataclass, field
-from typing import Any, Awaitable, Callable
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 import grpc
 import torch
 
-from swarmpipe.peer.transport.channels import server_options, tune_allocator
 from swarmpipe.peer.stage.coalescer import Coalescer
-from swarmpipe.peer.stage.metrics import PeerMetrics
-from swarmpipe.peer.swarm.records import WIRE_PROTOCOL
 from swarmpipe.peer.stage.lifecycle import Lifecycle
+from swarmpipe.peer.stage.metrics import PeerMetrics
+from swarmpipe.peer.stage.request_checks import (
+    RequestError,
+    check_header,
+    decode_grad_output,
+    decode_stage_input,
+    reply_codec,
+)
+from swarmpipe.peer.stage.runtime import BackwardResult, StageRuntime, UnknownMicrobatch
+from swarmpipe.peer.stage.siblings import Siblings, SiblingWaits
 from swarmpipe.peer.stage.state import StageState, to_chunks
 from swarmpipe.peer.stage.state_transfer import DonorSnapshot, receive_pushed
-from swarmpipe.peer.swarm.records import PeerState
-from swarmpipe.peer.stage.runtime import BackwardResult, StageRuntime, UnknownMicrobatch
-from swarmpipe.peer.transport.streaming import METHODS as STREAM_METHODS, TensorView, frames, reassemble
-from swarmpipe.peer.transport import codecs
+from swarmpipe.peer.swarm.records import WIRE_PROTOCOL, PeerState
+from swarmpipe.peer.transport.channels import server_options, tune_allocator
+from swarmpipe.peer.transport.streaming import METHODS as STREAM_METHODS
+from swarmpipe.peer.transport.streaming import TensorView, frames, reassemble
 from swarmpipe.peer.transport.wire import WireError, decode, encode, encode_parts, is_empty
 from swarmpipe.protos import swarm_pb2, swarm_pb2_grpc
 
 log = logging.getLogger("swarmpipe.server")
-MAX_MICROBATCH_ID = 128
-
-
-class RequestError(Exception):
-    def __init__(self, code: grpc.StatusCode, message: str):
-        super().__init__(message)
-        self.code = code
-
-
-@dataclass
-class Siblings:
-    """Micro-batches that shared one batched forward: their backwards are best run together too."""
-    members: frozenset[str]
-    arrived: set[str] = field(default_factory=set)
-    complete: asyncio.Event = field(default_factory=asyncio.Event)
 
 
 class StageServicer(swarm_pb2_grpc.StageServicer):
-    def __init__(self, runtime: StageRuntime, peer_id: str, metrics: PeerMetrics | None = None,
-                 lifecycle: Lifecycle | None = None):
+    def __init__(
+        self,
+        runtime: StageRuntime,
+        peer_id: str,
+        metrics: PeerMetrics | None = None,
+        lifecycle: Lifecycle | None = None,
+    ):
         self.runtime = runtime
         self.spec = runtime.spec
         self.peer_id = peer_id
@@ -65,11 +63,12 @@ class StageServicer(swarm_pb2_grpc.StageServicer):
         self._reported_steps = runtime.stats.steps
         self.on_state_pushed: Callable[[StageState], None] | None = None  # hook for the event log
         batching = runtime.spec.batching
-        self._siblings: dict[str, Siblings] = {}  # micro-batch id -> its forward batch, until its backward arrives
+        self.siblings = SiblingWaits(lambda: self.runtime.pending, lambda: self.spec.batching.backward_wait_ms)
         self.forwards = self._coalescer("forward", self._run_forwards, batching.wait_ms)
         self.backwards = self._coalescer("backward", lambda items: self.runtime.backward_many(items), 0.0)
         self.forward_backwards = self._coalescer(
-            "forward_backward", lambda items: self.runtime.forward_backward_many(items), batching.wait_ms)
+            "forward_backward", lambda items: self.runtime.forward_backward_many(items), batching.wait_ms
+        )
 
     @property
     def state(self) -> PeerState:
@@ -79,8 +78,14 @@ class StageServicer(swarm_pb2_grpc.StageServicer):
         return self.runtime.submit(fn)  # late-bound: a rebalancing move swaps the runtime
 
     def _coalescer(self, method: str, run: Callable[[list], list], wait_ms: float) -> Coalescer:
-        return Coalescer(self._submit, run, max_items=self.spec.batching.max_microbatches, wait_s=wait_ms / 1000,
-                         name=method, on_batch=self.metrics.batch.labels(method).observe)
+        return Coalescer(
+            self._submit,
+            run,
+            max_items=self.spec.batching.max_microbatches,
+            wait_s=wait_ms / 1000,
+            name=method,
+            on_batch=self.metrics.batch.labels(method).observe,
+        )
 
     def _run_forwards(self, items: list[tuple[str, torch.Tensor]]) -> list[tuple[torch.Tensor, Siblings | None]]:
         """Compute thread: one forward for the batch; each caller gets the batch's shared sibling record."""
@@ -97,52 +102,13 @@ class StageServicer(swarm_pb2_grpc.StageServicer):
         self._reported_steps = runtime.stats.steps
         self.metrics.version.set(runtime.version)
 
-    # ------------------------------------------------------------ validation
-    def _check_header(self, run_id: str, stage: int, microbatch_id: str | None = None) -> None:
-        if run_id != self.spec.run_id:
-            raise RequestError(grpc.StatusCode.FAILED_PRECONDITION, f"wrong run id {run_id!r}: this peer serves run {self.spec.run_id!r}")
-        if stage != self.runtime.stage:
-            raise RequestError(grpc.StatusCode.FAILED_PRECONDITION, f"wrong stage {stage}: this peer serves stage {self.runtime.stage}")
-        if microbatch_id is not None and not 0 < len(microbatch_id) <= MAX_MICROBATCH_ID:
-            raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, f"microbatch_id must be 1..{MAX_MICROBATCH_ID} characters")
-
-    def _decode_input(self, msg: swarm_pb2.Tensor) -> torch.Tensor:
-        limits = self.spec.limits
-        model = self.spec.model
-        if self.runtime.is_first:
-            t = decode(msg, max_elements=limits.max_tensor_elements, allowed_dtypes=("int64",), expect_shape=(None, None), what="input")
-            if t.shape[1] > model.seq_len or t.shape[1] == 0 or t.shape[0] == 0:
-                raise WireError(f"input: sequence length {t.shape[1]} must be 1..{model.seq_len}")
-            if t.numel() and (int(t.min()) < 0 or int(t.max()) >= model.vocab_size):
-                raise WireError(f"input: token ids must lie in [0, {model.vocab_size})")
-            return t
-        t = decode(msg, max_elements=limits.max_tensor_elements, allowed_dtypes=("float32", "float16", "bfloat16"),
-                   expect_shape=(None, None, model.d_model), what="input")
-        if t.shape[1] > model.seq_len or t.shape[0] == 0 or t.shape[1] == 0:
-            raise WireError(f"input: sequence length {t.shape[1]} must be 1..{model.seq_len}")
-        return t.float()
-
-    def _decode_grad(self, msg: swarm_pb2.Tensor) -> torch.Tensor:
-        width = self.spec.model.vocab_size if self.runtime.is_last else self.spec.model.d_model
-        return decode(msg, max_elements=self.spec.limits.max_tensor_elements, allowed_dtypes=("float32", "float16", "bfloat16"),
-                      expect_shape=(None, None, width), what="grad_output").float()
-
     def _count_bytes(self, msg: swarm_pb2.Tensor | TensorView, incoming: bool, nbytes: int | None = None) -> None:
         if nbytes is None:  # ByteSize, not len(msg.data): reading a protobuf bytes field copies it
             nbytes = len(msg.data) if isinstance(msg, TensorView) else msg.ByteSize()
         (self.metrics.bytes_in if incoming else self.metrics.bytes_out).labels(msg.codec or "none").inc(nbytes)
 
-    @staticmethod
-    def _reply_codec(requested: str, default: str) -> str:
-        """The codec a reply goes out in, checked before any work: "" takes the stage's default, and
-        "auto" (chosen per link by the caller; one that did not choose) becomes fp16."""
-        try:
-            return codecs.resolve(requested or default)
-        except codecs.CodecError as e:
-            raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, f"reply_codec: {e}") from None
-
     def _encode(self, t: torch.Tensor, codec: str, sink: dict | None = None, field: str = "") -> swarm_pb2.Tensor:
-        """The reply tensor in ``codec`` (from :meth:`_reply_codec`). With a ``sink`` (a streamed reply) its
+        """The reply tensor in ``codec`` (from :func:`reply_codec`). With a ``sink`` (a streamed reply) its
         bytes go there as a buffer and the message carries only shape, dtype and codec: the frames are cut
         from the buffer directly."""
         if sink is None:
@@ -194,7 +160,9 @@ class StageServicer(swarm_pb2_grpc.StageServicer):
 
     def _require_accepting(self) -> None:
         if not self.lifecycle.accepting:
-            raise RequestError(grpc.StatusCode.UNAVAILABLE, f"peer is {self.state.value}; send new work to another replica")
+            raise RequestError(
+                grpc.StatusCode.UNAVAILABLE, f"peer is {self.state.value}; send new work to another replica"
+            )
 
     def _after_backward(self, result: BackwardResult) -> None:
         self.metrics.delay.observe(result.delay)
@@ -206,107 +174,121 @@ class StageServicer(swarm_pb2_grpc.StageServicer):
         self.metrics.version.set(self.runtime.version)
         self.metrics.throughput.set(self.runtime.throughput())
 
-    # ------------------------------------------------------------ batching
-    def _remember_siblings(self, microbatch_id: str, siblings: Siblings | None) -> None:
-        if siblings is None:
-            return
-        self._siblings[microbatch_id] = siblings
-        if len(self._siblings) > 4 * self.runtime.max_pending:  # backwards that never came (retried elsewhere)
-            for stale in [mb for mb in self._siblings if mb not in self.runtime.pending]:
-                del self._siblings[stale]
-
-    async def _wait_for_siblings(self, microbatch_id: str) -> None:
-        """Hold a backward briefly so the members of one forward batch share one backward pass."""
-        siblings = self._siblings.pop(microbatch_id, None)
-        if siblings is None:
-            return
-        siblings.arrived.add(microbatch_id)
-        owed = {mb for mb in siblings.members if mb in self.runtime.pending}
-        if owed <= siblings.arrived:
-            siblings.complete.set()  # the waiting siblings wake in this loop iteration and join one batch
-            return
-        try:
-            async with asyncio.timeout(self.spec.batching.backward_wait_ms / 1000):
-                await siblings.complete.wait()
-        except TimeoutError:
-            pass  # a sibling is slow or went elsewhere: ours runs without it (recomputed, still exact)
-
     # ------------------------------------------------------------ RPCs
-    async def Forward(self, request: swarm_pb2.ForwardRequest, context: grpc.aio.ServicerContext,
-                      sink: dict | None = None) -> swarm_pb2.ForwardResponse:
+    async def Forward(
+        self, request: swarm_pb2.ForwardRequest, context: grpc.aio.ServicerContext, sink: dict | None = None
+    ) -> swarm_pb2.ForwardResponse:
         async def handle() -> swarm_pb2.ForwardResponse:
-            self._check_header(request.run_id, request.stage, request.microbatch_id)
+            check_header(self.spec, self.runtime.stage, request.run_id, request.stage, request.microbatch_id)
             self._require_accepting()
             if self.runtime.is_last:
-                raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, "the last stage takes ForwardBackward, not Forward")
-            reply_codec = self._reply_codec(request.reply_codec, self.spec.compression.activations)
+                raise RequestError(
+                    grpc.StatusCode.INVALID_ARGUMENT, "the last stage takes ForwardBackward, not Forward"
+                )
+            reply = reply_codec(request.reply_codec, self.spec.compression.activations)
             self._count_bytes(request.input, incoming=True)
-            x = self._decode_input(request.input)
+            x = decode_stage_input(self.spec, self.runtime.is_first, request.input)
             mb = request.microbatch_id
             out, siblings = await self._queued(
-                "forward", lambda: self.forwards.submit((mb, x), key=(tuple(x.shape[1:]), x.dtype)))
-            self._remember_siblings(mb, siblings)
-            output = self._encode(out, reply_codec, sink, "output")
+                "forward", lambda: self.forwards.submit((mb, x), key=(tuple(x.shape[1:]), x.dtype))
+            )
+            self.siblings.remember(mb, siblings)
+            output = self._encode(out, reply, sink, "output")
             return swarm_pb2.ForwardResponse(output=output, version=self.runtime.version)
+
         return await self._serve("forward", context, handle)
 
-    async def Backward(self, request: swarm_pb2.BackwardRequest, context: grpc.aio.ServicerContext,
-                       sink: dict | None = None) -> swarm_pb2.BackwardResponse:
+    async def Backward(
+        self, request: swarm_pb2.BackwardRequest, context: grpc.aio.ServicerContext, sink: dict | None = None
+    ) -> swarm_pb2.BackwardResponse:
         async def handle() -> swarm_pb2.BackwardResponse:
-            self._check_header(request.run_id, request.stage, request.microbatch_id)
+            check_header(self.spec, self.runtime.stage, request.run_id, request.stage, request.microbatch_id)
             if self.runtime.is_last:
-                raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, "the last stage takes ForwardBackward, not Backward")
-            reply_codec = self._reply_codec(request.reply_codec, self.spec.compression.gradients)
+                raise RequestError(
+                    grpc.StatusCode.INVALID_ARGUMENT, "the last stage takes ForwardBackward, not Backward"
+                )
+            reply = reply_codec(request.reply_codec, self.spec.compression.gradients)
             self._count_bytes(request.grad_output, incoming=True)
-            grad = self._decode_grad(request.grad_output)
+            grad = decode_grad_output(self.spec, self.runtime.is_last, request.grad_output)
             if request.replay:
                 if self.state is PeerState.DRAINING:  # a replay is new work
                     self._require_accepting()
                 if is_empty(request.input):
-                    raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, "a replayed backward must carry the stage input")
-                x = self._decode_input(request.input)
+                    raise RequestError(
+                        grpc.StatusCode.INVALID_ARGUMENT, "a replayed backward must carry the stage input"
+                    )
+                x = decode_stage_input(self.spec, self.runtime.is_first, request.input)
                 result = await self._compute("backward", lambda: self.runtime.replay_backward(x, grad))
             else:
-                await self._wait_for_siblings(request.microbatch_id)
+                await self.siblings.wait(request.microbatch_id)
                 result = await self._queued("backward", lambda: self.backwards.submit((request.microbatch_id, grad)))
             self._after_backward(result)
-            response = swarm_pb2.BackwardResponse(version=self.runtime.version, delay=result.delay,
-                                                  applied=result.applied, dropped_reason=result.dropped_reason)
+            response = swarm_pb2.BackwardResponse(
+                version=self.runtime.version,
+                delay=result.delay,
+                applied=result.applied,
+                dropped_reason=result.dropped_reason,
+            )
             if result.grad_input is not None:
-                response.grad_input.CopyFrom(self._encode(result.grad_input, reply_codec, sink, "grad_input"))
+                response.grad_input.CopyFrom(self._encode(result.grad_input, reply, sink, "grad_input"))
             return response
+
         return await self._serve("backward", context, handle)
 
-    async def ForwardBackward(self, request: swarm_pb2.ForwardBackwardRequest, context: grpc.aio.ServicerContext,
-                              sink: dict | None = None) -> swarm_pb2.ForwardBackwardResponse:
+    async def ForwardBackward(
+        self, request: swarm_pb2.ForwardBackwardRequest, context: grpc.aio.ServicerContext, sink: dict | None = None
+    ) -> swarm_pb2.ForwardBackwardResponse:
         async def handle() -> swarm_pb2.ForwardBackwardResponse:
-            self._check_header(request.run_id, request.stage, request.microbatch_id)
+            check_header(self.spec, self.runtime.stage, request.run_id, request.stage, request.microbatch_id)
             self._require_accepting()
             if not self.runtime.is_last:
-                raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, f"ForwardBackward is for the last stage; this peer serves stage {self.runtime.stage}")
-            reply_codec = self._reply_codec(request.reply_codec, self.spec.compression.gradients)
+                raise RequestError(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"ForwardBackward is for the last stage; this peer serves stage {self.runtime.stage}",
+                )
+            reply = reply_codec(request.reply_codec, self.spec.compression.gradients)
             self._count_bytes(request.input, incoming=True)
-            x = self._decode_input(request.input)
-            targets = decode(request.targets, max_elements=self.spec.limits.max_tensor_elements, allowed_dtypes=("int64",),
-                             expect_shape=tuple(x.shape[:2]), what="targets")
+            x = decode_stage_input(self.spec, self.runtime.is_first, request.input)
+            targets = decode(
+                request.targets,
+                max_elements=self.spec.limits.max_tensor_elements,
+                allowed_dtypes=("int64",),
+                expect_shape=tuple(x.shape[:2]),
+                what="targets",
+            )
             result = await self._queued(
-                "forward_backward", lambda: self.forward_backwards.submit((x, targets), key=(tuple(x.shape[1:]), x.dtype)))
+                "forward_backward",
+                lambda: self.forward_backwards.submit((x, targets), key=(tuple(x.shape[1:]), x.dtype)),
+            )
             self._after_backward(result)
-            response = swarm_pb2.ForwardBackwardResponse(loss=result.loss or 0.0, version=self.runtime.version,
-                                                         applied=result.applied, dropped_reason=result.dropped_reason)
+            response = swarm_pb2.ForwardBackwardResponse(
+                loss=result.loss or 0.0,
+                version=self.runtime.version,
+                applied=result.applied,
+                dropped_reason=result.dropped_reason,
+            )
             if result.grad_input is not None:
-                response.grad_input.CopyFrom(self._encode(result.grad_input, reply_codec, sink, "grad_input"))
+                response.grad_input.CopyFrom(self._encode(result.grad_input, reply, sink, "grad_input"))
             return response
+
         return await self._serve("forward_backward", context, handle)
 
     async def Info(self, request: swarm_pb2.InfoRequest, context: grpc.aio.ServicerContext) -> swarm_pb2.InfoResponse:
         stats = self.runtime.stats
         return swarm_pb2.InfoResponse(
-            peer_id=self.peer_id, stage=self.runtime.stage, version=self.runtime.version,
-            throughput=self.runtime.throughput(), queue=self.queue, state=self.state.value,
-            samples_processed=stats.samples, dropped_stale=stats.dropped_stale, busy_seconds=stats.busy_seconds,
-            cpu_seconds=time.process_time(), batches=sum(c.stats.batches for c in self._coalescers()),
-            batched_microbatches=sum(c.stats.items for c in self._coalescers()), protocol=WIRE_PROTOCOL,
+            peer_id=self.peer_id,
+            stage=self.runtime.stage,
+            version=self.runtime.version,
+            throughput=self.runtime.throughput(),
+            queue=self.queue,
+            state=self.state.value,
+            samples_processed=stats.samples,
+            dropped_stale=stats.dropped_stale,
+            busy_seconds=stats.busy_seconds,
+            cpu_seconds=time.process_time(),
+            batches=sum(c.stats.batches for c in self._coalescers()),
+            batched_microbatches=sum(c.stats.items for c in self._coalescers()),
+            protocol=WIRE_PROTOCOL,
         )
 
     def _coalescers(self) -> tuple[Coalescer, ...]:
@@ -315,14 +297,17 @@ class StageServicer(swarm_pb2_grpc.StageServicer):
     async def DownloadState(self, request: swarm_pb2.DownloadStateRequest, context: grpc.aio.ServicerContext):
         self.metrics.requests.labels("download_state").inc()
         try:
-            self._check_header(request.run_id, request.stage)
+            check_header(self.spec, self.runtime.stage, request.run_id, request.stage)
             if not self.lifecycle.serves_state:
-                raise RequestError(grpc.StatusCode.UNAVAILABLE, "this peer is still joining; download from another replica")
+                raise RequestError(
+                    grpc.StatusCode.UNAVAILABLE, "this peer is still joining; download from another replica"
+                )
             # Exported on the compute thread (one consistent version, never mid-update) and kept a while,
             # so every shard of one joiner's download comes from the same snapshot.
             state = await self.donor.get(lambda: self._compute("download_state", self.runtime.export_state))
-            chunks = await asyncio.to_thread(to_chunks, state, request.shard, request.num_shards or 1,
-                                             self.spec.compression.state)
+            chunks = await asyncio.to_thread(
+                to_chunks, state, request.shard, request.num_shards or 1, self.spec.compression.state
+            )
         except (RequestError, ValueError) as e:
             code = e.code if isinstance(e, RequestError) else grpc.StatusCode.INVALID_ARGUMENT
             self.metrics.errors.labels("download_state", code.name.lower()).inc()
@@ -332,28 +317,32 @@ class StageServicer(swarm_pb2_grpc.StageServicer):
             self._count_bytes(chunk.tensor, incoming=False)
             yield chunk
 
-
     async def PushState(self, request_iterator, context: grpc.aio.ServicerContext) -> swarm_pb2.PushStateResponse:
         """A draining replica hands over its newest state: average it into ours."""
+
         async def handle() -> swarm_pb2.PushStateResponse:
             state = await receive_pushed(request_iterator)
-            self._check_header(state.meta.get("run_id", ""), int(state.meta.get("stage", -1)))
+            check_header(self.spec, self.runtime.stage, state.meta.get("run_id", ""), int(state.meta.get("stage", -1)))
             if self.state is PeerState.DRAINING:
                 raise RequestError(grpc.StatusCode.UNAVAILABLE, "this peer is draining too")
             await self._compute("push_state", lambda: self.runtime.blend(state))
             if self.on_state_pushed is not None:
                 self.on_state_pushed(state)
-            return swarm_pb2.PushStateResponse(accepted=True, version=self.runtime.version,
-                                               detail=f"averaged state of version {state.version} into ours")
-        return await self._serve("push_state", context, handle)  # StateError is a ValueError: INVALID_ARGUMENT
+            return swarm_pb2.PushStateResponse(
+                accepted=True,
+                version=self.runtime.version,
+                detail=f"averaged state of version {state.version} into ours",
+            )
 
+        return await self._serve("push_state", context, handle)  # StateError is a ValueError: INVALID_ARGUMENT
 
     async def Stream(self, request_iterator, context: grpc.aio.ServicerContext):
         """Forward / Backward / ForwardBackward whose messages are too large for one gRPC message."""
         limits = self.spec.limits
         try:
-            method, request = await reassemble(request_iterator, max_total_bytes=limits.max_stream_mb << 20,
-                                               what="stream")
+            method, request = await reassemble(
+                request_iterator, max_total_bytes=limits.max_stream_mb << 20, what="stream"
+            )
         except WireError as e:
             self.metrics.errors.labels("stream", "invalid_tensor").inc()
             log.info("peer %s stage %d: rejected stream: %s", self.peer_id[-6:], self.runtime.stage, e)

@@ -5,6 +5,7 @@ A forward runs on an immutable snapshot of the weights and keeps its autograd gr
 :class:`ForwardGroup` (one per forward call, shared by the micro-batches a server batch joined), so
 the matching backward is exact for the weights that produced the activations.
 """
+
 from __future__ import annotations
 
 from collections import Counter
@@ -28,6 +29,7 @@ class UnknownMicrobatch(KeyError):
 @dataclass
 class ForwardGroup:
     """One forward call over one or more micro-batches (batched on the server), on one weight snapshot."""
+
     version: int
     step: int  # this runtime's local optimizer steps at the forward: the delay clock (versions jump on averaging)
     inputs: torch.Tensor  # the micro-batches' inputs, concatenated along the batch dimension

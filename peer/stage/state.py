@@ -6,12 +6,14 @@ built on :func:`capture`, :func:`load_into`, :func:`blend_into`); state transfer
 ``param.<name>`` and ``optim.<index>.<key>``; everything else (version, optimizer
 scalars and param groups) lives in the metadata. Nothing is pickled.
 """
+
 from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any
 
 import torch
 
@@ -122,22 +124,33 @@ def _jsonable(value: Any) -> Any:
 
 
 # ---------------------------------------------------------------- wire form
-def to_chunks(state: StageState, shard: int = 0, num_shards: int = 1, codec: str = "none") -> list[swarm_pb2.StateChunk]:
+def to_chunks(
+    state: StageState, shard: int = 0, num_shards: int = 1, codec: str = "none"
+) -> list[swarm_pb2.StateChunk]:
     """Metadata first (in every shard), then this shard's tensors: entries i with i % num_shards == shard."""
     if num_shards < 1 or not 0 <= shard < num_shards:
         raise StateError(f"shard {shard} of {num_shards} does not exist")
     names = sorted(state.tensors)
     mine = [n for i, n in enumerate(names) if i % num_shards == shard]
     meta = dict(state.meta, names=names, digest=state.wire_digest(codec))
-    chunks = [swarm_pb2.StateChunk(name="", version=state.version, metadata_json=json.dumps(meta), index=0, total=len(mine) + 1)]
+    chunks = [
+        swarm_pb2.StateChunk(
+            name="", version=state.version, metadata_json=json.dumps(meta), index=0, total=len(mine) + 1
+        )
+    ]
     for i, name in enumerate(mine, start=1):
         t = state.tensors[name]
-        chunks.append(swarm_pb2.StateChunk(name=name, tensor=encode(t, codec),
-                                           version=state.version, index=i, total=len(mine) + 1))
+        chunks.append(
+            swarm_pb2.StateChunk(
+                name=name, tensor=encode(t, codec), version=state.version, index=i, total=len(mine) + 1
+            )
+        )
     return chunks
 
 
-def from_chunks(chunks: Iterable[swarm_pb2.StateChunk], max_elements: int = 1 << 28) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+def from_chunks(
+    chunks: Iterable[swarm_pb2.StateChunk], max_elements: int = 1 << 28
+) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     """Validate one shard's stream; returns (metadata, tensors). A stream cut short raises StateError."""
     meta: dict[str, Any] | None = None
     tensors: dict[str, torch.Tensor] = {}
@@ -171,8 +184,10 @@ def assemble(shards: list[tuple[dict[str, Any], dict[str, torch.Tensor]]]) -> St
         raise StateError("no state shards")
     origins = {(int(m.get("version", 0)), str(m.get("digest", ""))) for m, _ in shards}
     if len(origins) > 1:
-        raise MixedState(f"state shards come from {len(origins)} different snapshots: "
-                         + ", ".join(f"version {v} digest {d[:16]}" for v, d in sorted(origins)))
+        raise MixedState(
+            f"state shards come from {len(origins)} different snapshots: "
+            + ", ".join(f"version {v} digest {d[:16]}" for v, d in sorted(origins))
+        )
     meta = shards[0][0]
     tensors: dict[str, torch.Tensor] = {}
     for _, part in shards:

@@ -1,4 +1,5 @@
 """Where a stage's state comes from when a peer starts serving it, and where it goes when it leaves."""
+
 from __future__ import annotations
 
 import asyncio
@@ -24,23 +25,35 @@ async def load_initial_state(swarm: SwarmDHT, runtime: StageRuntime, events: Eve
     donors = [r.address for pid, r in peers.items() if pid != events.peer_id and r.state is PeerState.ONLINE]
     sources: list[tuple[str, list[str]]] = [("replicas", donors[:MAX_DONORS])] if donors else []
     checkpoint = await swarm.checkpoint()
-    if checkpoint is not None and checkpoint.url and runtime.stage < len(checkpoint.versions) \
-            and checkpoint.versions[runtime.stage] >= 0:
+    if (
+        checkpoint is not None
+        and checkpoint.url
+        and runtime.stage < len(checkpoint.versions)
+        and checkpoint.versions[runtime.stage] >= 0
+    ):
         sources.append(("checkpoint", [checkpoint.url]))
     for source, addresses in sources:
         started = loop.time()
         bar = DownloadProgress(source)
         try:
-            state = await download_state(addresses, spec.run_id, runtime.stage, spec.limits.max_message_mb,
-                                         on_progress=bar.update)
+            state = await download_state(
+                addresses, spec.run_id, runtime.stage, spec.limits.max_message_mb, on_progress=bar.update
+            )
             await runtime.run(runtime.import_state, state)
         except (StateError, ValueError) as e:
             events.emit("state_download_failed", level=logging.WARNING, source=source, error=str(e)[:300])
             continue
         finally:
             bar.close()
-        events.emit("state_loaded", stage=runtime.stage, source=source, donors=len(addresses), version=runtime.version,
-                    digest=state.digest(), seconds=round(loop.time() - started, 2))
+        events.emit(
+            "state_loaded",
+            stage=runtime.stage,
+            source=source,
+            donors=len(addresses),
+            version=runtime.version,
+            digest=state.digest(),
+            seconds=round(loop.time() - started, 2),
+        )
         return source
     events.emit("state_from_seed", stage=runtime.stage, seed=spec.seed)
     return "seed"
@@ -50,7 +63,9 @@ async def hand_off_state(swarm: SwarmDHT, runtime: StageRuntime, events: EventLo
     """Give our newest state to a live replica (it averages it in), else to the coordinator (it checkpoints it)."""
     state = await runtime.run(runtime.export_state)
     peers = await swarm.stage_peers(runtime.stage)
-    targets = [("replica", r.address) for pid, r in peers.items() if pid != events.peer_id and r.state is PeerState.ONLINE]
+    targets = [
+        ("replica", r.address) for pid, r in peers.items() if pid != events.peer_id and r.state is PeerState.ONLINE
+    ]
     checkpoint = await swarm.checkpoint()
     if checkpoint is not None and checkpoint.url:
         targets.append(("coordinator", checkpoint.url))
@@ -60,8 +75,15 @@ async def hand_off_state(swarm: SwarmDHT, runtime: StageRuntime, events: EventLo
         except Exception as e:  # unreachable target: try the next one
             events.emit("handoff_failed", level=logging.WARNING, target=kind, address=address, error=str(e)[:200])
             continue
-        events.emit("handoff", stage=runtime.stage, target=kind, address=address, version=state.version,
-                    digest=state.digest(), detail=reply.detail)
+        events.emit(
+            "handoff",
+            stage=runtime.stage,
+            target=kind,
+            address=address,
+            version=state.version,
+            digest=state.digest(),
+            detail=reply.detail,
+        )
         return kind
     events.emit("handoff_skipped", level=logging.WARNING, reason="no live replica or coordinator")
     return None
@@ -80,6 +102,7 @@ class DownloadProgress:
             return
         if self.bar is None:
             from tqdm import tqdm
+
             self.bar = tqdm(total=total, desc=f"state from {self.source}", unit="chunk", leave=False)
         self.bar.total = total
         self.bar.n = received

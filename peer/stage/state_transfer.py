@@ -12,17 +12,18 @@
 Both stream :class:`StateChunk` messages; a stream cut off midway fails cleanly
 with :class:`StateError` and nothing half-loaded is ever used.
 """
+
 from __future__ import annotations
 
 import asyncio
 import logging
 import time
-from typing import Awaitable, Callable
+from collections.abc import Awaitable, Callable
 
 import grpc
 
-from swarmpipe.peer.transport.channels import channel_options
 from swarmpipe.peer.stage.state import MixedState, StageState, StateError, assemble, from_chunks, to_chunks
+from swarmpipe.peer.transport.channels import channel_options
 from swarmpipe.protos import swarm_pb2, swarm_pb2_grpc
 
 log = logging.getLogger("swarmpipe.state")
@@ -58,8 +59,15 @@ class DonorSnapshot:
         self._state = None
 
 
-async def _download_shard(address: str, run_id: str, stage: int, shard: int, num_shards: int,
-                          max_message_mb: int, on_chunk: Callable[[int, int], None] | None):
+async def _download_shard(
+    address: str,
+    run_id: str,
+    stage: int,
+    shard: int,
+    num_shards: int,
+    max_message_mb: int,
+    on_chunk: Callable[[int, int], None] | None,
+):
     async with grpc.aio.insecure_channel(address, options=channel_options(max_message_mb)) as channel:
         stub = swarm_pb2_grpc.StageStub(channel)
         request = swarm_pb2.DownloadStateRequest(run_id=run_id, stage=stage, shard=shard, num_shards=num_shards)
@@ -71,8 +79,13 @@ async def _download_shard(address: str, run_id: str, stage: int, shard: int, num
         return from_chunks(chunks)
 
 
-async def download_state(donors: list[str], run_id: str, stage: int, max_message_mb: int = 64,
-                         on_progress: Callable[[int, int], None] | None = None) -> StageState:
+async def download_state(
+    donors: list[str],
+    run_id: str,
+    stage: int,
+    max_message_mb: int = 64,
+    on_progress: Callable[[int, int], None] | None = None,
+) -> StageState:
     """Pull the stage's state split across ``donors`` (addresses); retries a failed shard elsewhere.
     Shards from different snapshots are never joined: the whole state is then taken from one donor
     (the newest first), and a donor whose shards still disagree is skipped."""
@@ -87,6 +100,7 @@ async def download_state(donors: list[str], run_id: str, stage: int, max_message
             done_chunks[shard], totals[shard] = received, total
             if on_progress is not None:
                 on_progress(sum(done_chunks), sum(totals))
+
         return update
 
     async def fetch(shard: int, candidates: list[str]) -> tuple[Shard, str]:
@@ -107,8 +121,9 @@ async def download_state(donors: list[str], run_id: str, stage: int, max_message
         return assemble([shard for shard, _ in fetched])
     except MixedState as e:
         log.info("state shards of stage %d disagree (%s): taking the whole state from one donor", stage, e)
-    newest_first = sorted({a for _, a in fetched}, key=lambda a: -max(int(m.get("version", 0))
-                                                                     for (m, _), b in fetched if b == a))
+    newest_first = sorted(
+        {a for _, a in fetched}, key=lambda a: -max(int(m.get("version", 0)) for (m, _), b in fetched if b == a)
+    )
     errors = []
     for donor in newest_first:
         try:
@@ -119,7 +134,9 @@ async def download_state(donors: list[str], run_id: str, stage: int, max_message
     raise StateError(f"no donor gave a consistent state: {'; '.join(errors)}")
 
 
-async def push_state(address: str, state: StageState, max_message_mb: int = 64, timeout: float = 60.0) -> swarm_pb2.PushStateResponse:
+async def push_state(
+    address: str, state: StageState, max_message_mb: int = 64, timeout: float = 60.0
+) -> swarm_pb2.PushStateResponse:
     async with grpc.aio.insecure_channel(address, options=channel_options(max_message_mb)) as channel:
         stub = swarm_pb2_grpc.StageStub(channel)
         return await stub.PushState(iter(to_chunks(state)), timeout=timeout)

@@ -1,11 +1,12 @@
 """Which stage a peer should serve: the one with the least total throughput."""
+
 from __future__ import annotations
 
 import random
-from typing import Callable
+from collections.abc import Callable
 
-from swarmpipe.peer.swarm.records import PeerState, StageRecord
 from swarmpipe.peer.spec import RunSpec
+from swarmpipe.peer.swarm.records import PeerState, StageRecord
 
 NEW_PEER_THROUGHPUT = 1.0  # a replica that has not measured yet still counts for something
 
@@ -42,9 +43,14 @@ def stage_cost(spec: RunSpec, stage: int) -> float:
     return max(cost, 0.25)
 
 
-def rebalance_target(stages: list[dict[str, StageRecord]], my_stage: int, my_peer_id: str,
-                     my_throughput: float, margin: float = 1.25,
-                     estimate: Callable[[int], float] | None = None) -> int | None:
+def rebalance_target(
+    stages: list[dict[str, StageRecord]],
+    my_stage: int,
+    my_peer_id: str,
+    my_throughput: float,
+    margin: float = 1.25,
+    estimate: Callable[[int], float] | None = None,
+) -> int | None:
     """Stage to move to, or None. Moving must raise the slowest stage by ``margin`` (hysteresis)
     and must not make the stage we leave the new bottleneck, so peers do not flap.
     ``estimate(target)`` is our throughput there (default: the same as here)."""

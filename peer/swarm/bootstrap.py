@@ -1,4 +1,5 @@
 """Where a participant finds the swarm, and which run it joins when none is named."""
+
 from __future__ import annotations
 
 from importlib import resources

@@ -3,18 +3,21 @@
 hivemind runs the DHT in a forked child process; its calls return MPFutures
 that we await with a deadline so an unreachable swarm never hangs a caller.
 """
+
 from __future__ import annotations
 
 import asyncio
 import functools
 import logging
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import hivemind
 from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.utils import get_dht_time
 from hivemind.utils.crypto import RSAPrivateKey
 
+from swarmpipe.peer.spec import RunSpec, SpecError, spec_from_dict
 from swarmpipe.peer.swarm.records import (
     RUNS_INDEX_KEY,
     WIRE_PROTOCOL,
@@ -29,7 +32,6 @@ from swarmpipe.peer.swarm.records import (
     stage_key,
     trainer_key,
 )
-from swarmpipe.peer.spec import RunSpec, SpecError, spec_from_dict
 
 log = logging.getLogger("swarmpipe.dht")
 DHT_TIMEOUT_S = 10.0
@@ -48,8 +50,9 @@ def start_dht(
     # Every node checks signatures: a record whose subkey names an owner key can only be changed
     # by the holder of that key (hivemind's RSASignatureValidator), so no one overwrites another
     # peer's announcement.
-    kwargs: dict[str, Any] = dict(host_maddrs=[f"/ip4/{host}/tcp/{port}"], start=True,
-                                  record_validators=[signature_validator()])
+    kwargs: dict[str, Any] = dict(
+        host_maddrs=[f"/ip4/{host}/tcp/{port}"], start=True, record_validators=[signature_validator()]
+    )
     if identity_path:
         kwargs["identity_path"] = identity_path
     if announce_host and port:  # behind NAT or in a container: the address others should dial
@@ -59,8 +62,11 @@ def start_dht(
     except Exception as e:  # p2pd and hivemind both refuse to start when no bootstrap peer answers
         if require_bootstrap or not initial_peers:
             raise
-        log.warning("none of the %d initial peers answered (%s); starting alone, retrying them",
-                    len(initial_peers), str(e).strip().splitlines()[-1][:160])
+        log.warning(
+            "none of the %d initial peers answered (%s); starting alone, retrying them",
+            len(initial_peers),
+            str(e).strip().splitlines()[-1][:160],
+        )
         return hivemind.DHT(initial_peers=None, **kwargs)
 
 
@@ -151,8 +157,9 @@ class SwarmDHT:
         except (SpecError, TypeError, ValueError) as e:
             raise SpecError(f"the run spec published for {self.run_id!r} is unusable: {e}") from e
 
-    async def wait_for_spec(self, timeout: float = 60.0, poll: float = 1.0,
-                            initial_peers: Sequence[str] = (), reconnect_every: float = 5.0) -> RunSpec:
+    async def wait_for_spec(
+        self, timeout: float = 60.0, poll: float = 1.0, initial_peers: Sequence[str] = (), reconnect_every: float = 5.0
+    ) -> RunSpec:
         """Poll for the spec; meanwhile ping ``initial_peers`` now and then, so a node that started
         while its bootstrap peers were down (a restarting coordinator) joins once one is back."""
         loop = asyncio.get_running_loop()
@@ -162,13 +169,19 @@ class SwarmDHT:
             if initial_peers and loop.time() >= next_ping:
                 next_ping = loop.time() + reconnect_every
                 if not await reconnect_bootstrap(self.dht, initial_peers):
-                    log.warning("none of %d initial peers answers yet; retrying every %.0fs for up to %.0fs",
-                                len(initial_peers), reconnect_every, max(0.0, deadline - loop.time()))
+                    log.warning(
+                        "none of %d initial peers answers yet; retrying every %.0fs for up to %.0fs",
+                        len(initial_peers),
+                        reconnect_every,
+                        max(0.0, deadline - loop.time()),
+                    )
             spec = await self.fetch_spec()
             if spec is not None:
                 return spec
             if loop.time() > deadline:
-                raise TimeoutError(f"no spec for run {self.run_id!r} in the DHT after {timeout:.0f}s; is the coordinator up?")
+                raise TimeoutError(
+                    f"no spec for run {self.run_id!r} in the DHT after {timeout:.0f}s; is the coordinator up?"
+                )
             await asyncio.sleep(poll)
 
     # stages ----------------------------------------------------------------
@@ -185,8 +198,13 @@ class SwarmDHT:
             return True
         if (peer, record.protocol) not in self._incompatible:
             self._incompatible.add((peer, record.protocol))
-            log.warning("dht: skipping peer %s at %s: it speaks wire protocol %d, we speak %d (upgrade one of us)",
-                        peer[-6:], record.address, record.protocol, WIRE_PROTOCOL)
+            log.warning(
+                "dht: skipping peer %s at %s: it speaks wire protocol %d, we speak %d (upgrade one of us)",
+                peer[-6:],
+                record.address,
+                record.protocol,
+                WIRE_PROTOCOL,
+            )
         return False
 
     async def all_stages(self, num_stages: int) -> list[dict[str, StageRecord]]:
@@ -211,4 +229,3 @@ class SwarmDHT:
 
     async def runs(self) -> dict[str, RunIndexRecord]:
         return parse_subkeyed(RunIndexRecord, await self._get(RUNS_INDEX_KEY))
-

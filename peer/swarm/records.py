@@ -8,6 +8,7 @@ Keys (values expire; the subkey is the owner's peer id):
   ``swarmpipe.runs`` / run id          -> :class:`RunIndexRecord` (swarm-wide index of runs)
 A record that fails validation is skipped with a warning, never trusted.
 """
+
 from __future__ import annotations
 
 import logging
@@ -30,6 +31,7 @@ _ADDRESS = re.compile(r"^[A-Za-z0-9_.:\-\[\]]{1,255}:\d{1,5}$")
 
 class PeerState(str, Enum):
     """Where a peer is in its life; its record says it, and one owner changes it (peer/stage/lifecycle.py)."""
+
     JOINING = "joining"  # serving soon: loading state, not yet routed to
     ONLINE = "online"  # takes new work
     DRAINING = "draining"  # finishes what it holds, takes nothing new, then leaves or moves

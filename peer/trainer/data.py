@@ -3,6 +3,7 @@
 The default corpus is the Python standard library's own source on the running
 machine: real, varied text that exists everywhere and needs no download.
 """
+
 from __future__ import annotations
 
 import sysconfig
@@ -26,7 +27,8 @@ def _collect_files(root: Path) -> list[Path]:
         raise FileNotFoundError(f"data path {root} does not exist")
     skip = {"site-packages", "__pycache__", "test", "tests", "idlelib"}
     files = [
-        p for p in root.rglob("*")
+        p
+        for p in root.rglob("*")
         if p.is_file() and p.suffix in TEXT_SUFFIXES and not (skip & set(p.relative_to(root).parts[:-1]))
     ]
     return sorted(files)
@@ -58,7 +60,7 @@ class CorpusSplit:
     valid: torch.Tensor
 
     @classmethod
-    def from_bytes(cls, corpus: bytes, valid_fraction: float = 0.05) -> "CorpusSplit":
+    def from_bytes(cls, corpus: bytes, valid_fraction: float = 0.05) -> CorpusSplit:
         data = torch.frombuffer(bytearray(corpus), dtype=torch.uint8)
         cut = int(len(data) * (1 - valid_fraction))
         return cls(train=data[:cut], valid=data[cut:])

@@ -14,6 +14,7 @@ The runner only reports: ``run`` returns a ``MicrobatchOutcome`` and the
 trainer folds it into its progress. While waiting for a replica it asks the
 ``SwarmView`` it holds for a fresh read of the DHT.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -91,8 +92,11 @@ class MicrobatchRunner:
         self.pool = ChannelPool(spec.limits.max_message_mb)
         cap = spec.limits.max_message_mb << 20
         # Above 1 MiB (or half the cap) a tensor goes as a chunked stream: no message nears the cap.
-        self.caller = StreamingCaller(threshold_bytes=min(1 << 20, cap // 2), chunk_bytes=min(1 << 20, cap // 2),
-                                      max_total_bytes=spec.limits.max_stream_mb << 20)
+        self.caller = StreamingCaller(
+            threshold_bytes=min(1 << 20, cap // 2),
+            chunk_bytes=min(1 << 20, cap // 2),
+            max_total_bytes=spec.limits.max_stream_mb << 20,
+        )
         self.act_codec = spec.compression.activations  # "auto": chosen per hop from measured bandwidth
         self.grad_codec = spec.compression.gradients
         self.policy = CodecPolicy()
@@ -113,11 +117,13 @@ class MicrobatchRunner:
         try:
             for stage in range(P - 1):
                 out, view = await self._with_retries(
-                    stage, lambda v, s=stage: self._forward(v, s, mb_id, inputs[s]), journey)
+                    stage, lambda v, s=stage: self._forward(v, s, mb_id, inputs[s]), journey
+                )
                 inputs.append(out)
                 peers.append(view)
             (loss, grad, dropped), _ = await self._with_retries(
-                P - 1, lambda v: self._forward_backward(v, P - 1, mb_id, inputs[P - 1], targets), journey)
+                P - 1, lambda v: self._forward_backward(v, P - 1, mb_id, inputs[P - 1], targets), journey
+            )
             if dropped:
                 journey.stale_stages.append(P - 1)
             for stage in range(P - 2, -1, -1):
@@ -129,12 +135,18 @@ class MicrobatchRunner:
             return MicrobatchOutcome(mb_id, MicrobatchStatus.FAILED, retries=journey.retries, reason=str(e))
         if journey.stale_stages:
             stages = ", ".join(map(str, journey.stale_stages))
-            return MicrobatchOutcome(mb_id, MicrobatchStatus.DROPPED_STALE, loss=loss, retries=journey.retries,
-                                     reason=f"gradient dropped as stale by stage {stages}")
+            return MicrobatchOutcome(
+                mb_id,
+                MicrobatchStatus.DROPPED_STALE,
+                loss=loss,
+                retries=journey.retries,
+                reason=f"gradient dropped as stale by stage {stages}",
+            )
         return MicrobatchOutcome(mb_id, MicrobatchStatus.COMPLETED, loss=loss, retries=journey.retries)
 
-    async def _backward(self, stage: int, mb_id: str, view: PeerView, inputs: torch.Tensor,
-                        grad: torch.Tensor, journey: Journey) -> tuple[torch.Tensor | None, bool]:
+    async def _backward(
+        self, stage: int, mb_id: str, view: PeerView, inputs: torch.Tensor, grad: torch.Tensor, journey: Journey
+    ) -> tuple[torch.Tensor | None, bool]:
         """Backward on the replica that ran the forward (it kept the activations); when that fails,
         replay it elsewhere from the kept input. A replay counts as a retry."""
         try:
@@ -145,15 +157,23 @@ class MicrobatchRunner:
             reason = _reason(e)
             self._failed(view, e)
             journey.retries += 1
-            self.events.emit("replay", level=logging.WARNING, stage=stage, microbatch=mb_id,
-                             peer=short_id(view.peer_id), reason=reason)
+            self.events.emit(
+                "replay",
+                level=logging.WARNING,
+                stage=stage,
+                microbatch=mb_id,
+                peer=short_id(view.peer_id),
+                reason=reason,
+            )
         (grad_in, dropped), _ = await self._with_retries(
-            stage, lambda v: self._backward_call(v, stage, mb_id, grad, inputs), journey)
+            stage, lambda v: self._backward_call(v, stage, mb_id, grad, inputs), journey
+        )
         return grad_in, dropped
 
     # ------------------------------------------------------------ retries
-    async def _with_retries(self, stage: int, call: Callable[[PeerView], Awaitable[T]],
-                            journey: Journey) -> tuple[T, PeerView]:
+    async def _with_retries(
+        self, stage: int, call: Callable[[PeerView], Awaitable[T]], journey: Journey
+    ) -> tuple[T, PeerView]:
         """Run ``call(view)`` on the best replica; on failure, ban and try another; wait when none is alive.
         Every attempt after the first counts as a retry in ``journey``."""
         tried: set[str] = set()
@@ -175,8 +195,14 @@ class MicrobatchRunner:
             except (grpc.aio.AioRpcError, asyncio.TimeoutError, WireError) as e:
                 ban = self._failed(view, e)
                 tried.add(view.peer_id)
-                self.events.emit("call_failed", level=logging.WARNING, stage=stage, peer=short_id(view.peer_id),
-                                 reason=_reason(e), banned_s=round(ban, 1))
+                self.events.emit(
+                    "call_failed",
+                    level=logging.WARNING,
+                    stage=stage,
+                    peer=short_id(view.peer_id),
+                    reason=_reason(e),
+                    banned_s=round(ban, 1),
+                )
                 if isinstance(e, grpc.aio.AioRpcError) and e.code() in CALLER_ERRORS:
                     # Usually our request is bad and nobody will take it; but one faulty peer must not be
                     # able to fail micro-batches that its sibling replicas would serve.
@@ -214,8 +240,14 @@ class MicrobatchRunner:
         ``payloads``: the request's tensor bytes as buffers, per tensor field (None: in the message);
         a streamed request frames them straight from tensor storage."""
         with self.policy.timed(view.address) as timed:
-            response = await self.caller.call(self.pool.channel(view.address), self.pool.stub(view.address), method,
-                                              request, timeout=self.call_timeout, payloads=payloads)
+            response = await self.caller.call(
+                self.pool.channel(view.address),
+                self.pool.stub(view.address),
+                method,
+                request,
+                timeout=self.call_timeout,
+                payloads=payloads,
+            )
             sent = sum(memoryview(p).nbytes for p in payloads or () if p is not None)
             timed.nbytes = request.ByteSize() + sent + response.ByteSize()
         return response
@@ -233,31 +265,50 @@ class MicrobatchRunner:
     async def _forward(self, view: PeerView, stage: int, mb_id: str, x: torch.Tensor) -> torch.Tensor:
         codec = self._codec("activations", view, x)
         header, payload = encode_parts(x, codec)
-        request = swarm_pb2.ForwardRequest(run_id=self.spec.run_id, stage=stage, microbatch_id=mb_id,
-                                           input=header, reply_codec=codec)
+        request = swarm_pb2.ForwardRequest(
+            run_id=self.spec.run_id, stage=stage, microbatch_id=mb_id, input=header, reply_codec=codec
+        )
         response = await self._call(view, "Forward", request, payloads=[payload])
-        return decode(response.output, max_elements=self.spec.limits.max_tensor_elements,
-                      expect_shape=(x.shape[0], x.shape[1], self.spec.model.d_model), what="forward output").float()
+        return decode(
+            response.output,
+            max_elements=self.spec.limits.max_tensor_elements,
+            expect_shape=(x.shape[0], x.shape[1], self.spec.model.d_model),
+            what="forward output",
+        ).float()
 
     async def _forward_backward(self, view: PeerView, stage: int, mb_id: str, x: torch.Tensor, targets: torch.Tensor):
         header, payload = encode_parts(x, self._codec("activations", view, x))
-        request = swarm_pb2.ForwardBackwardRequest(run_id=self.spec.run_id, stage=stage, microbatch_id=mb_id,
-                                                   input=header, targets=encode(targets),
-                                                   reply_codec=self._codec("gradients", view, x))
+        request = swarm_pb2.ForwardBackwardRequest(
+            run_id=self.spec.run_id,
+            stage=stage,
+            microbatch_id=mb_id,
+            input=header,
+            targets=encode(targets),
+            reply_codec=self._codec("gradients", view, x),
+        )
         response = await self._call(view, "ForwardBackward", request, payloads=[payload, None])
         if not torch.isfinite(torch.tensor(response.loss)):
             raise WireError(f"stage {stage} returned a non-finite loss")
         grad = None
         if stage > 0:
-            grad = decode(response.grad_input, max_elements=self.spec.limits.max_tensor_elements,
-                          expect_shape=tuple(x.shape), what="grad_input").float()
+            grad = decode(
+                response.grad_input,
+                max_elements=self.spec.limits.max_tensor_elements,
+                expect_shape=tuple(x.shape),
+                what="grad_input",
+            ).float()
         return response.loss, grad, not response.applied
 
-    async def _backward_call(self, view: PeerView, stage: int, mb_id: str, grad: torch.Tensor,
-                             replay_input: torch.Tensor | None):
-        request = swarm_pb2.BackwardRequest(run_id=self.spec.run_id, stage=stage, microbatch_id=mb_id,
-                                            grad_output=self._encode_grad(stage, view, grad),
-                                            reply_codec=self._codec("gradients", view, grad))
+    async def _backward_call(
+        self, view: PeerView, stage: int, mb_id: str, grad: torch.Tensor, replay_input: torch.Tensor | None
+    ):
+        request = swarm_pb2.BackwardRequest(
+            run_id=self.spec.run_id,
+            stage=stage,
+            microbatch_id=mb_id,
+            grad_output=self._encode_grad(stage, view, grad),
+            reply_codec=self._codec("gradients", view, grad),
+        )
         payloads: list = [None, None]  # grad_output (error-feedback encoded, in the message), input
         if replay_input is not None:
             header, payloads[1] = encode_parts(replay_input, self._codec("activations", view, replay_input))
@@ -266,9 +317,12 @@ class MicrobatchRunner:
         response = await self._call(view, "Backward", request, payloads=payloads)
         grad_in = None
         if stage > 0:
-            grad_in = decode(response.grad_input, max_elements=self.spec.limits.max_tensor_elements,
-                             expect_shape=(grad.shape[0], grad.shape[1], self.spec.model.d_model),
-                             what="grad_input").float()
+            grad_in = decode(
+                response.grad_input,
+                max_elements=self.spec.limits.max_tensor_elements,
+                expect_shape=(grad.shape[0], grad.shape[1], self.spec.model.d_model),
+                what="grad_input",
+            ).float()
         return grad_in, not response.applied
 
 

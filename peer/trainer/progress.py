@@ -5,6 +5,7 @@ and ``apply(outcome)`` with what ``MicrobatchRunner.run`` returned. Everything
 else (the progress bar, the "progress" event, the DHT record, the final
 report) reads from it.
 """
+
 from __future__ import annotations
 
 import time
@@ -92,10 +93,15 @@ class Progress:
 
     def record(self, microbatch_size: int) -> TrainerRecord:
         """What the trainer announces in the DHT: the coordinator's dashboard and metrics read it."""
-        return TrainerRecord(step=self.completed, loss=self.loss_ema(),
-                             samples_per_s=self.samples_per_s(microbatch_size),
-                             microbatches_completed=self.completed, microbatches_retried=self.retried,
-                             microbatches_lost=self.lost, updated_at=now())
+        return TrainerRecord(
+            step=self.completed,
+            loss=self.loss_ema(),
+            samples_per_s=self.samples_per_s(microbatch_size),
+            microbatches_completed=self.completed,
+            microbatches_retried=self.retried,
+            microbatches_lost=self.lost,
+            updated_at=now(),
+        )
 
     def report(self, run_id: str, microbatch_size: int) -> dict[str, Any]:
         """The final report (--report): field names are read by tests, bench and the demo; keep them."""

@@ -12,6 +12,7 @@ not measured for ``PROBE_AFTER_S`` gets one probing call, and a stale estimate
 is replaced by the next measurement rather than blended with it. A banned peer
 that announces itself again in the DHT is retried within a second.
 """
+
 from __future__ import annotations
 
 import random
@@ -81,8 +82,9 @@ class Router:
 
     def available(self, stage: int, exclude: set[str] = frozenset()) -> list[PeerView]:
         t = self.clock()
-        return [v for v in self.replicas(stage)
-                if v.state == "online" and v.banned_until <= t and v.peer_id not in exclude]
+        return [
+            v for v in self.replicas(stage) if v.state == "online" and v.banned_until <= t and v.peer_id not in exclude
+        ]
 
     # ------------------------------------------------------------ choice
     def expected_finish(self, view: PeerView) -> float:
@@ -98,8 +100,11 @@ class Router:
         age = self.clock() - view.measured_at
         if age <= STALE_AFTER_S:
             return view.latency_ema
-        fresh = [v.latency_ema for v in self.replicas(view.stage)
-                 if v is not view and v.latency_ema is not None and self.clock() - v.measured_at <= STALE_AFTER_S]
+        fresh = [
+            v.latency_ema
+            for v in self.replicas(view.stage)
+            if v is not view and v.latency_ema is not None and self.clock() - v.measured_at <= STALE_AFTER_S
+        ]
         if not fresh or view.latency_ema <= min(fresh):
             return view.latency_ema  # nothing better is known: keep what we saw
         target = min(fresh)
@@ -117,8 +122,11 @@ class Router:
         if not candidates:
             return None
         t = self.clock()
-        overdue = [v for v in candidates if v.latency_ema is not None and v.in_flight == 0
-                   and t - v.measured_at > PROBE_AFTER_S]
+        overdue = [
+            v
+            for v in candidates
+            if v.latency_ema is not None and v.in_flight == 0 and t - v.measured_at > PROBE_AFTER_S
+        ]
         if overdue and len(candidates) > 1:
             return min(overdue, key=lambda v: v.measured_at)  # probe the longest-unmeasured replica
         # Small jitter spreads simultaneous choices across near-equal replicas.

@@ -10,6 +10,7 @@ A failed periodic or on-demand read keeps the last known view: peers already
 known stay routable and the next read tries again. Only the first read, in
 ``start()``, raises: without any view there is nothing to train on.
 """
+
 from __future__ import annotations
 
 import asyncio

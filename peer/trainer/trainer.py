@@ -11,6 +11,7 @@ The parts talk one way. The trainer launches each micro-batch on the
 router current from the DHT on its own; the runner holds it and asks for an
 early read only while it waits for a replica.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -76,8 +77,14 @@ class Trainer:
         bar = None
         try:
             await view.start()  # the first read: its failure ends the run, as there is nothing to route to
-            self.events.emit("training", run_id=cfg.run_id, stages=spec.num_stages, steps=cfg.steps,
-                             peers=len(view.router.peers), corpus_bytes=len(corpus))
+            self.events.emit(
+                "training",
+                run_id=cfg.run_id,
+                stages=spec.num_stages,
+                steps=cfg.steps,
+                peers=len(view.router.peers),
+                corpus_bytes=len(corpus),
+            )
             in_flight = cfg.in_flight or 2 * spec.num_stages
             announce = asyncio.create_task(self._announce_loop(swarm, spec.microbatch_size))
             bar = self._progress_bar(spec.microbatch_size)
@@ -108,8 +115,12 @@ class Trainer:
         deadline = time.monotonic() + self.cfg.max_time if self.cfg.max_time > 0 else float("inf")
         while p.ended < target:
             if self.stop_requested.is_set() or time.monotonic() > deadline:
-                self.events.emit("stopping", step=p.completed, in_flight=len(tasks),
-                                 reason="signal" if self.stop_requested.is_set() else "max_time")
+                self.events.emit(
+                    "stopping",
+                    step=p.completed,
+                    in_flight=len(tasks),
+                    reason="signal" if self.stop_requested.is_set() else "max_time",
+                )
                 break
             flush = self.cfg.flush_every
             while len(tasks) < in_flight and p.started < target and not (flush and p.started % flush == 0 and tasks):
@@ -121,20 +132,32 @@ class Trainer:
                 task.result()  # a runner never raises except on a fatal error: let it surface
             if bar is not None:
                 bar.n = min(target, p.completed + p.dropped_stale)
-                bar.set_postfix(loss=f"{p.loss_ema() or 0:.3f}", sps=f"{p.samples_per_s(runner.spec.microbatch_size):.1f}",
-                                retried=p.retried, refresh=False)
+                bar.set_postfix(
+                    loss=f"{p.loss_ema() or 0:.3f}",
+                    sps=f"{p.samples_per_s(runner.spec.microbatch_size):.1f}",
+                    retried=p.retried,
+                    refresh=False,
+                )
                 bar.refresh()
             if time.monotonic() - last_event > 1.0:
                 last_event = time.monotonic()
-                self.events.emit("progress", level=logging.DEBUG, step=p.completed, loss=p.loss_ema(),
-                                 samples_per_s=round(p.samples_per_s(runner.spec.microbatch_size), 2),
-                                 recent_samples_per_s=round(p.recent_samples_per_s(runner.spec.microbatch_size), 2),
-                                 retried=p.retried, target=target, call_ms=runner.router.latency_ms())
+                self.events.emit(
+                    "progress",
+                    level=logging.DEBUG,
+                    step=p.completed,
+                    loss=p.loss_ema(),
+                    samples_per_s=round(p.samples_per_s(runner.spec.microbatch_size), 2),
+                    recent_samples_per_s=round(p.recent_samples_per_s(runner.spec.microbatch_size), 2),
+                    retried=p.retried,
+                    target=target,
+                    call_ms=runner.router.latency_ms(),
+                )
         if tasks:
             await asyncio.gather(*tasks)
 
-    async def _run_and_count(self, runner: MicrobatchRunner, mb_id: str, inputs: torch.Tensor,
-                             targets: torch.Tensor) -> None:
+    async def _run_and_count(
+        self, runner: MicrobatchRunner, mb_id: str, inputs: torch.Tensor, targets: torch.Tensor
+    ) -> None:
         # Folded the moment it ends, so losses keep the order micro-batches finished in.
         self.progress.apply(await runner.run(mb_id, inputs, targets))
 
@@ -142,6 +165,7 @@ class Trainer:
         if not self.cfg.progress:
             return None
         from tqdm import tqdm
+
         return tqdm(total=self.cfg.steps, desc="training", unit="mb", dynamic_ncols=True)
 
     async def _announce_loop(self, swarm: SwarmDHT, microbatch_size: int) -> None:

@@ -1,4 +1,5 @@
 """gRPC channel and server options in one place, and a pool of reusable channels."""
+
 from __future__ import annotations
 
 import ctypes

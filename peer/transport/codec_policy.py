@@ -11,6 +11,7 @@ datacenter links get fp16 or none. A role configured with a fixed codec keeps it
 quantization lost is kept (per stream key, e.g. (stage, shape)) and added to the next gradient
 sent on that key, so the errors do not accumulate over steps (EF-SGD).
 """
+
 from __future__ import annotations
 
 import time

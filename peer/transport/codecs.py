@@ -11,12 +11,13 @@ hivemind 1.1.12's 8-bit quantizers fail under numpy 2 and its blockwise codec ne
 which has no CPU wheel here. Encoders take a flat CPU tensor and return a buffer; decoders take the
 buffer and return a flat tensor of the requested dtype.
 """
+
 from __future__ import annotations
 
 import math
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
@@ -118,8 +119,8 @@ def _encode_uint8(flat: torch.Tensor) -> Buffer:
     if flat.numel():
         q_out = torch.frombuffer(out, dtype=torch.uint8, offset=8)
         for i in range(0, flat.numel(), CHUNK):
-            chunk = flat[i:i + CHUNK]
-            q_out[i:i + chunk.numel()].copy_(_quantize(chunk - lo, scale, torch.quint8))
+            chunk = flat[i : i + CHUNK]
+            q_out[i : i + chunk.numel()].copy_(_quantize(chunk - lo, scale, torch.quint8))
     return out
 
 
@@ -129,7 +130,7 @@ def _decode_uint8(data: Buffer, dtype: torch.dtype, numel: int) -> torch.Tensor:
     out = torch.empty(numel, dtype=torch.float32)
     lo_t = torch.tensor(lo, dtype=torch.float32)
     for i in range(0, numel, CHUNK):  # lo + scale * q in one fused pass per cache-sized chunk
-        torch.add(lo_t, q[i:i + CHUNK], alpha=scale, out=out[i:i + CHUNK])
+        torch.add(lo_t, q[i : i + CHUNK], alpha=scale, out=out[i : i + CHUNK])
     return out.to(dtype)
 
 
@@ -146,13 +147,15 @@ def _encode_blockwise8(flat: torch.Tensor) -> Buffer:
     out = bytearray(4 * blocks + n)  # filled chunk by chunk
     absmax_out = torch.frombuffer(out, dtype=torch.float32, count=blocks)
     q_out = torch.frombuffer(out, dtype=torch.int8, offset=4 * blocks)
-    body = flat[:full * BLOCK_SIZE].view(full, BLOCK_SIZE)
+    body = flat[: full * BLOCK_SIZE].view(full, BLOCK_SIZE)
     rows_per_chunk = CHUNK // BLOCK_SIZE
     for b in range(0, full, rows_per_chunk):
-        rows = body[b:b + rows_per_chunk]
-        _quantize_rows(rows, absmax_out[b:b + rows.shape[0]], q_out[b * BLOCK_SIZE:(b + rows.shape[0]) * BLOCK_SIZE])
+        rows = body[b : b + rows_per_chunk]
+        _quantize_rows(
+            rows, absmax_out[b : b + rows.shape[0]], q_out[b * BLOCK_SIZE : (b + rows.shape[0]) * BLOCK_SIZE]
+        )
     if n > full * BLOCK_SIZE:
-        _quantize_rows(flat[full * BLOCK_SIZE:].view(1, -1), absmax_out[full:], q_out[full * BLOCK_SIZE:])
+        _quantize_rows(flat[full * BLOCK_SIZE :].view(1, -1), absmax_out[full:], q_out[full * BLOCK_SIZE :])
     return out
 
 
@@ -180,30 +183,74 @@ def _decode_blockwise8(data: Buffer, dtype: torch.dtype, numel: int) -> torch.Te
     for b in range(0, full, rows_per_chunk):
         rows = min(rows_per_chunk, full - b)
         span = slice(b * BLOCK_SIZE, (b + rows) * BLOCK_SIZE)
-        torch.mul(q[span].view(rows, BLOCK_SIZE), scales[b:b + rows, None], out=out[span].view(rows, BLOCK_SIZE))
+        torch.mul(q[span].view(rows, BLOCK_SIZE), scales[b : b + rows, None], out=out[span].view(rows, BLOCK_SIZE))
     if numel > full * BLOCK_SIZE:  # the ragged last block
-        torch.mul(q[full * BLOCK_SIZE:], scales[full], out=out[full * BLOCK_SIZE:])
+        torch.mul(q[full * BLOCK_SIZE :], scales[full], out=out[full * BLOCK_SIZE :])
     return out.to(dtype)
 
 
 # ---------------------------------------------------------------- the registry
-REGISTRY: dict[str, Codec] = {c.name: c for c in (
-    Codec("none", 4.0, lossy=False, float_only=False, gbps=4.0, auto_roles=("activations", "gradients", "state"),
-          encode=raw_view, decode=lambda data, dtype, n: from_raw(data, dtype, n),
-          size=lambda dtype, n: n * dtype.itemsize),
-    Codec("fp16", 2.0, lossy=True, float_only=True, gbps=2.0, auto_roles=("activations", "gradients", "state"),
-          encode=_encode_fp16, decode=lambda data, dtype, n: from_raw(data, torch.float16, n).to(dtype),
-          size=lambda dtype, n: 2 * n),
-    Codec("bf16", 2.0, lossy=True, float_only=True, gbps=3.0, auto_roles=(),
-          encode=lambda flat: raw_view(flat.to(torch.bfloat16)),
-          decode=lambda data, dtype, n: from_raw(data, torch.bfloat16, n).to(dtype), size=lambda dtype, n: 2 * n),
-    Codec("uint8", 1.0, lossy=True, float_only=True, gbps=1.2, auto_roles=(),
-          encode=_encode_uint8, decode=_decode_uint8, size=lambda dtype, n: 8 + n),
-    # error feedback (peer/transport/codec_policy.py) removes its bias on gradients
-    Codec("blockwise8", 1.0 + 4 / BLOCK_SIZE, lossy=True, float_only=True, gbps=1.0,
-          auto_roles=("activations", "gradients"), encode=_encode_blockwise8, decode=_decode_blockwise8,
-          size=lambda dtype, n: 4 * math.ceil(n / BLOCK_SIZE) + n),
-)}
+REGISTRY: dict[str, Codec] = {
+    c.name: c
+    for c in (
+        Codec(
+            "none",
+            4.0,
+            lossy=False,
+            float_only=False,
+            gbps=4.0,
+            auto_roles=("activations", "gradients", "state"),
+            encode=raw_view,
+            decode=lambda data, dtype, n: from_raw(data, dtype, n),
+            size=lambda dtype, n: n * dtype.itemsize,
+        ),
+        Codec(
+            "fp16",
+            2.0,
+            lossy=True,
+            float_only=True,
+            gbps=2.0,
+            auto_roles=("activations", "gradients", "state"),
+            encode=_encode_fp16,
+            decode=lambda data, dtype, n: from_raw(data, torch.float16, n).to(dtype),
+            size=lambda dtype, n: 2 * n,
+        ),
+        Codec(
+            "bf16",
+            2.0,
+            lossy=True,
+            float_only=True,
+            gbps=3.0,
+            auto_roles=(),
+            encode=lambda flat: raw_view(flat.to(torch.bfloat16)),
+            decode=lambda data, dtype, n: from_raw(data, torch.bfloat16, n).to(dtype),
+            size=lambda dtype, n: 2 * n,
+        ),
+        Codec(
+            "uint8",
+            1.0,
+            lossy=True,
+            float_only=True,
+            gbps=1.2,
+            auto_roles=(),
+            encode=_encode_uint8,
+            decode=_decode_uint8,
+            size=lambda dtype, n: 8 + n,
+        ),
+        # error feedback (peer/transport/codec_policy.py) removes its bias on gradients
+        Codec(
+            "blockwise8",
+            1.0 + 4 / BLOCK_SIZE,
+            lossy=True,
+            float_only=True,
+            gbps=1.0,
+            auto_roles=("activations", "gradients"),
+            encode=_encode_blockwise8,
+            decode=_decode_blockwise8,
+            size=lambda dtype, n: 4 * math.ceil(n / BLOCK_SIZE) + n,
+        ),
+    )
+}
 
 
 def get(name: str) -> Codec:

@@ -10,10 +10,11 @@ spread over several frames into a buffer of its own, and decodes without a furth
 (``swarmpipe.peer.transport.wire.decode`` reads a :class:`TensorView` like a ``swarm_pb2.Tensor``).
 A stream that ends early, overruns, or lies about its sizes raises :class:`WireError`.
 """
+
 from __future__ import annotations
 
+from collections.abc import AsyncIterator, Iterable, Iterator
 from dataclasses import dataclass
-from typing import AsyncIterator, Iterable, Iterator
 
 import grpc
 
@@ -24,8 +25,12 @@ from swarmpipe.protos import swarm_pb2
 METHODS = {
     "Forward": (swarm_pb2.ForwardRequest, swarm_pb2.ForwardResponse, ("input",), ("output",)),
     "Backward": (swarm_pb2.BackwardRequest, swarm_pb2.BackwardResponse, ("grad_output", "input"), ("grad_input",)),
-    "ForwardBackward": (swarm_pb2.ForwardBackwardRequest, swarm_pb2.ForwardBackwardResponse,
-                        ("input", "targets"), ("grad_input",)),
+    "ForwardBackward": (
+        swarm_pb2.ForwardBackwardRequest,
+        swarm_pb2.ForwardBackwardResponse,
+        ("input", "targets"),
+        ("grad_input",),
+    ),
 }
 MB = 1 << 20
 DEFAULT_CHUNK = 1 * MB
@@ -36,6 +41,7 @@ MAX_HEADER = 64 * 1024
 @dataclass
 class TensorView:
     """A received tensor: the ``swarm_pb2.Tensor`` fields, with ``data`` a buffer we own (no copy)."""
+
     shape: list
     dtype: str
     codec: str
@@ -60,6 +66,7 @@ class Reassembled:
 
 
 # ------------------------------------------------------------------ sending
+
 
 def _varint(n: int) -> bytes:
     out = bytearray()
@@ -94,15 +101,17 @@ def _split_payloads(msg, fields: Iterable[str], payloads: list | None):
     return header, views
 
 
-def frames(msg, fields: Iterable[str], *, method: str = "", chunk_bytes: int = DEFAULT_CHUNK,
-           payloads: list | None = None) -> Iterator[bytes]:
+def frames(
+    msg, fields: Iterable[str], *, method: str = "", chunk_bytes: int = DEFAULT_CHUNK, payloads: list | None = None
+) -> Iterator[bytes]:
     """Serialized frames for ``msg``. ``payloads[i]`` (optional) gives field i's bytes directly, e.g. a
     memoryview over tensor storage, so the data is copied only into the frames themselves."""
     fields = tuple(fields)
     header, views = _split_payloads(msg, fields, payloads)
-    first = swarm_pb2.Frame(method=method, header=header.SerializeToString(),
-                            data_bytes=[len(v) for v in views]).SerializeToString()
-    chunks = (v[start:start + chunk_bytes] for v in views for start in range(0, len(v), chunk_bytes))
+    first = swarm_pb2.Frame(
+        method=method, header=header.SerializeToString(), data_bytes=[len(v) for v in views]
+    ).SerializeToString()
+    chunks = (v[start : start + chunk_bytes] for v in views for start in range(0, len(v), chunk_bytes))
     chunk = next(chunks, None)
     yield first if chunk is None else data_frame_bytes(chunk, prefix=first)  # the first chunk rides along
     for chunk in chunks:
@@ -110,6 +119,7 @@ def frames(msg, fields: Iterable[str], *, method: str = "", chunk_bytes: int = D
 
 
 # ------------------------------------------------------------------ receiving
+
 
 def _parse_varint(buf: bytes, pos: int) -> tuple[int, int]:
     value = shift = 0
@@ -178,12 +188,18 @@ def _frame_data(raw) -> memoryview | bytes:
             return memoryview(raw)[start:]
     return _frame(raw).data
 
-async def reassemble(stream: AsyncIterator[swarm_pb2.Frame | bytes], *, max_total_bytes: int,
-                     expect_method: str | None = None, what: str = "stream") -> tuple[str, Reassembled]:
+
+async def reassemble(
+    stream: AsyncIterator[swarm_pb2.Frame | bytes],
+    *,
+    max_total_bytes: int,
+    expect_method: str | None = None,
+    what: str = "stream",
+) -> tuple[str, Reassembled]:
     """Read a whole framed message; ``expect_method`` None means it is a request (method in frame 1).
     Frames may be ``Frame`` messages or their raw serialized bytes (the fast path: no protobuf copies)."""
     first = None
-    async for first in stream:
+    async for first in stream:  # noqa: B007 - only the first frame is read here
         break
     if first is None:
         raise WireError(f"{what}: ended before its first frame")
@@ -222,11 +238,11 @@ async def reassemble(stream: AsyncIterator[swarm_pb2.Frame | bytes], *, max_tota
                 raise WireError(f"{what}: more bytes than the {total} announced")
             n = min(len(chunk) - pos, sizes[index] - filled)
             if filled == 0 and n == sizes[index]:
-                buffers[index] = chunk[pos:pos + n]
+                buffers[index] = chunk[pos : pos + n]
             else:
                 if buffers[index] is None:
                     buffers[index] = bytearray(sizes[index])
-                memoryview(buffers[index])[filled:filled + n] = chunk[pos:pos + n]
+                memoryview(buffers[index])[filled : filled + n] = chunk[pos : pos + n]
             filled += n
             pos += n
         received += len(chunk)
@@ -249,17 +265,28 @@ async def reassemble(stream: AsyncIterator[swarm_pb2.Frame | bytes], *, max_tota
 
 # ------------------------------------------------------------------ client
 
+
 class StreamingCaller:
     """Calls a stage method unary when small, as a frame stream when large."""
 
-    def __init__(self, threshold_bytes: int = DEFAULT_THRESHOLD, chunk_bytes: int = DEFAULT_CHUNK,
-                 max_total_bytes: int = 1 << 30):
+    def __init__(
+        self, threshold_bytes: int = DEFAULT_THRESHOLD, chunk_bytes: int = DEFAULT_CHUNK, max_total_bytes: int = 1 << 30
+    ):
         self.threshold_bytes = threshold_bytes
         self.chunk_bytes = chunk_bytes
         self.max_total_bytes = max_total_bytes
 
-    async def call(self, channel: grpc.aio.Channel, stub, method: str, request, *, timeout: float | None,
-                   payloads: list | None = None, expected_bytes: int | None = None):
+    async def call(
+        self,
+        channel: grpc.aio.Channel,
+        stub,
+        method: str,
+        request,
+        *,
+        timeout: float | None,
+        payloads: list | None = None,
+        expected_bytes: int | None = None,
+    ):
         """``payloads``: optional raw bytes per tensor field (then the request's tensor data may be empty).
         ``expected_bytes``: size of the reply, when the caller knows it is larger than the request."""
         fields = METHODS[method][2]
@@ -270,9 +297,10 @@ class StreamingCaller:
                     getattr(request, name).data = memoryview(p).cast("B").tobytes()
             return await getattr(stub, method)(request, timeout=timeout)
         # Raw bytes both ways: frames are built and read without protobuf copies of the payload.
-        call = channel.stream_stream("/swarmpipe.Stage/Stream", request_serializer=None,
-                                     response_deserializer=None)(
-            frames(request, fields, method=method, chunk_bytes=self.chunk_bytes, payloads=payloads), timeout=timeout)
-        _, response = await reassemble(call.__aiter__(), max_total_bytes=self.max_total_bytes,
-                                       expect_method=method, what=f"{method} reply")
+        call = channel.stream_stream("/swarmpipe.Stage/Stream", request_serializer=None, response_deserializer=None)(
+            frames(request, fields, method=method, chunk_bytes=self.chunk_bytes, payloads=payloads), timeout=timeout
+        )
+        _, response = await reassemble(
+            call.__aiter__(), max_total_bytes=self.max_total_bytes, expect_method=method, what=f"{method} reply"
+        )
         return response

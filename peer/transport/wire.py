@@ -7,6 +7,7 @@ a cap, the byte length against what shape x codec implies, and (for floats)
 that every value is finite; any failure raises :class:`WireError` with a
 message that the server returns as INVALID_ARGUMENT.
 """
+
 from __future__ import annotations
 
 import math
@@ -99,8 +100,10 @@ def decode(
     expected = codec.size(dtype, numel)
     data = msg.data  # read once: each read of a protobuf bytes field copies it
     if len(data) != expected:
-        raise WireError(f"{what}: {len(data)} bytes do not match shape {list(shape)} x {msg.dtype} "
-                        f"under codec {codec.name} ({expected} bytes)")
+        raise WireError(
+            f"{what}: {len(data)} bytes do not match shape {list(shape)} x {msg.dtype} "
+            f"under codec {codec.name} ({expected} bytes)"
+        )
     t = codec.decode(data, dtype, numel).view(shape)
     if check_finite and dtype.is_floating_point and numel and not all_finite(t):
         raise WireError(f"{what}: contains NaN or Inf values")

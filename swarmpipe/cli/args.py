@@ -4,13 +4,16 @@ Precedence, highest first: command-line flag, ``SWARMPIPE_<FLAG>`` environment
 variable, ``--config FILE`` (TOML, the command's table or top level), the
 dataclass default.
 """
+
 from __future__ import annotations
 
 import argparse
 import dataclasses
 import os
+from collections.abc import Mapping
+from typing import Any, TypeVar
+
 import tomllib
-from typing import Any, Mapping, TypeVar
 
 T = TypeVar("T")
 ENV_PREFIX = "SWARMPIPE_"
@@ -56,8 +59,12 @@ def add_dataclass_flags(parser: argparse.ArgumentParser, cls: type) -> None:
             parser.add_argument(flag, dest=f.name, default=None, type=type(default), help=help_text)
 
 
-def resolve(cls: type[T], args: argparse.Namespace | Mapping[str, Any] | None = None,
-            env: Mapping[str, str] | None = None, file_section: str | None = None) -> T:
+def resolve(
+    cls: type[T],
+    args: argparse.Namespace | Mapping[str, Any] | None = None,
+    env: Mapping[str, str] | None = None,
+    file_section: str | None = None,
+) -> T:
     """Build ``cls`` from flags, environment, an optional ``config`` file, and defaults."""
     given = vars(args) if isinstance(args, argparse.Namespace) else dict(args or {})
     env = os.environ if env is None else env

@@ -1,4 +1,5 @@
 """``swarmpipe demo``: a whole swarm on 127.0.0.1 as real processes, trained, summarised, stopped."""
+
 from __future__ import annotations
 
 import time
@@ -21,30 +22,48 @@ def run_demo(cfg: DemoConfig) -> int:
 
     workdir = Path(cfg.workdir or f"runs/demo-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
     # The roles' own announce periods: the demo shows the swarm as a volunteer would see it.
-    swarm = LocalSwarm(workdir, run_id="demo", log_level=cfg.log_level, peer_announce_period=None,
-                       trainer_announce_period=None)
-    print(f"swarmpipe demo: {cfg.num_stages} stages x {cfg.replicas} replica(s), {cfg.steps} micro-batches; logs in {workdir}")
+    swarm = LocalSwarm(
+        workdir, run_id="demo", log_level=cfg.log_level, peer_announce_period=None, trainer_announce_period=None
+    )
+    print(
+        f"swarmpipe demo: {cfg.num_stages} stages x {cfg.replicas} replica(s), {cfg.steps} micro-batches; logs in {workdir}"
+    )
     started = time.monotonic()
     try:
         # --run-id and --num-stages override a given spec's, as they do the built-in one.
-        swarm.start_coordinator(Path(cfg.spec) if cfg.spec else None, "--run-id", "demo", "--num-stages",
-                                str(cfg.num_stages), http_port=cfg.http_port, timeout=60)
+        swarm.start_coordinator(
+            Path(cfg.spec) if cfg.spec else None,
+            "--run-id",
+            "demo",
+            "--num-stages",
+            str(cfg.num_stages),
+            http_port=cfg.http_port,
+            timeout=60,
+        )
         print(f"coordinator up: {swarm.maddr}\ndashboard: {swarm.url}/")
-        peers = [swarm.start_peer(stage, wait=False, name=f"peer-s{stage}-r{replica}")
-                 for stage in range(cfg.num_stages) for replica in range(cfg.replicas)]
+        peers = [
+            swarm.start_peer(stage, wait=False, name=f"peer-s{stage}-r{replica}")
+            for stage in range(cfg.num_stages)
+            for replica in range(cfg.replicas)
+        ]
         for peer in peers:
             swarm.wait_ready(peer, timeout=120)
         print(f"{len(peers)} peers serving; training")
-        trainer, report_path = swarm.start_trainer(cfg.steps, *(["--data", cfg.data] if cfg.data else []),
-                                                   report=workdir / "report.json")
+        trainer, report_path = swarm.start_trainer(
+            cfg.steps, *(["--data", cfg.data] if cfg.data else []), report=workdir / "report.json"
+        )
         bar = tqdm(total=cfg.steps, desc="training", unit="mb", dynamic_ncols=True)
         offset = 0
         while trainer.alive():
             event, offset = _latest_progress(swarm, offset)
             if event:
                 bar.n = min(cfg.steps, int(event.get("step") or 0))
-                bar.set_postfix(loss=f"{event.get('loss') or 0:.3f}", sps=event.get("samples_per_s"), retried=event.get("retried"),
-                                refresh=False)
+                bar.set_postfix(
+                    loss=f"{event.get('loss') or 0:.3f}",
+                    sps=event.get("samples_per_s"),
+                    retried=event.get("retried"),
+                    refresh=False,
+                )
                 bar.refresh()
             time.sleep(0.5)
         bar.n = cfg.steps if trainer.proc.returncode == 0 else bar.n
@@ -67,8 +86,10 @@ def print_summary(report: dict, workdir: Path, wall_s: float) -> None:
     fmt = lambda v: f"{v:.3f}" if isinstance(v, (int, float)) else "n/a"  # noqa: E731
     print("\n== swarmpipe demo summary ==")
     print(f"loss                 {fmt(first)} -> {fmt(last)}")
-    print(f"micro-batches        completed {report.get('microbatches_completed')}, retried {report.get('microbatches_retried')}, "
-          f"dropped stale {report.get('microbatches_dropped_stale')}, lost {report.get('microbatches_lost')}")
+    print(
+        f"micro-batches        completed {report.get('microbatches_completed')}, retried {report.get('microbatches_retried')}, "
+        f"dropped stale {report.get('microbatches_dropped_stale')}, lost {report.get('microbatches_lost')}"
+    )
     print(f"throughput           {report.get('samples_per_s', 0):.1f} samples/s")
     print(f"wall time            {wall_s:.0f} s")
     print(f"logs and report      {workdir}")

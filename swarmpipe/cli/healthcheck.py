@@ -1,4 +1,5 @@
 """``swarmpipe healthcheck``: exit 0 when a peer's gRPC server or an HTTP endpoint answers (for containers)."""
+
 from __future__ import annotations
 
 import asyncio

@@ -4,6 +4,7 @@ Each role runs as ``[prefix...] python -m swarmpipe.cli.main <role> ...`` in its
 with its output in a log file; :class:`ProcessGroup` kills everything it started, also when the
 caller is interrupted. :class:`swarmpipe.cli.local_swarm.LocalSwarm` builds a whole swarm on it.
 """
+
 from __future__ import annotations
 
 import json
@@ -56,16 +57,18 @@ class ProcessGroup:
         self.workdir = Path(self.workdir)
         self.workdir.mkdir(parents=True, exist_ok=True)
 
-    def start(self, name: str, role: str, *args: str, extra_env: dict[str, str] | None = None,
-              prefix: Sequence[str] = ()) -> Launched:
+    def start(
+        self, name: str, role: str, *args: str, extra_env: dict[str, str] | None = None, prefix: Sequence[str] = ()
+    ) -> Launched:
         """``prefix``: a command that runs the role (``ip netns exec NS``, ``taskset -c 1``); it must
         exec the role in place, so that the pid and the process group stay the role's."""
         log_path = self.workdir / f"{name}.log"
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **self.env, **(extra_env or {})}
         command = [*prefix, sys.executable, "-m", "swarmpipe.cli.main", role, *args]
         with open(log_path, "ab") as log:
-            proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
-                                    start_new_session=True)
+            proc = subprocess.Popen(
+                command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, start_new_session=True
+            )
         launched = Launched(name, proc, log_path)
         self.procs.append(launched)
         return launched
@@ -98,8 +101,9 @@ class ProcessGroup:
         self.stop_all()
 
 
-def wait_for(predicate: Callable[[], object], timeout: float, what: str, poll: float = 0.2,
-             procs: Sequence[Launched] = ()) -> object:
+def wait_for(
+    predicate: Callable[[], object], timeout: float, what: str, poll: float = 0.2, procs: Sequence[Launched] = ()
+) -> object:
     """Poll until ``predicate()`` is truthy; fail early (with the log tail) if a process died."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -108,7 +112,9 @@ def wait_for(predicate: Callable[[], object], timeout: float, what: str, poll: f
             return value
         for p in procs:
             if not p.alive():
-                raise RuntimeError(f"{p.name} exited with {p.proc.returncode} while waiting for {what}:\n{p.log_text()[-3000:]}")
+                raise RuntimeError(
+                    f"{p.name} exited with {p.proc.returncode} while waiting for {what}:\n{p.log_text()[-3000:]}"
+                )
         time.sleep(poll)
     raise TimeoutError(f"timed out after {timeout:.0f}s waiting for {what}")
 

@@ -4,6 +4,7 @@
 cores); :class:`LocalSwarm` starts a coordinator, peers and trainers on a :class:`ProcessGroup`,
 waits for them, reads the coordinator's API and the shared event log, and stops everything.
 """
+
 from __future__ import annotations
 
 import json
@@ -18,9 +19,22 @@ from swarmpipe.cli.launcher import Launched, ProcessGroup, coordinator_http_url,
 
 
 # ------------------------------------------------------------------ the spec template
-def spec_toml(run_id: str, num_stages: int = 2, *, n_layers: int | None = None, d_model: int = 64, n_heads: int = 4,
-              seq_len: int = 32, microbatch_size: int = 8, lr: float = 3e-3, warmup_steps: int = 5,
-              max_message_mb: int = 16, settings: Mapping[str, Any] | None = None, top: str = "", extra: str = "") -> str:
+def spec_toml(
+    run_id: str,
+    num_stages: int = 2,
+    *,
+    n_layers: int | None = None,
+    d_model: int = 64,
+    n_heads: int = 4,
+    seq_len: int = 32,
+    microbatch_size: int = 8,
+    lr: float = 3e-3,
+    warmup_steps: int = 5,
+    max_message_mb: int = 16,
+    settings: Mapping[str, Any] | None = None,
+    top: str = "",
+    extra: str = "",
+) -> str:
     """The run spec of a local swarm, as TOML.
 
     ``n_layers`` defaults to one block per stage. ``settings`` is merged over the template: top-level
@@ -28,7 +42,10 @@ def spec_toml(run_id: str, num_stages: int = 2, *, n_layers: int | None = None, 
     and ``extra`` (whole tables) are raw TOML, for keys the template does not write itself.
     """
     data: dict[str, Any] = {
-        "run_id": run_id, "num_stages": num_stages, "microbatch_size": microbatch_size, "seed": 0,
+        "run_id": run_id,
+        "num_stages": num_stages,
+        "microbatch_size": microbatch_size,
+        "seed": 0,
         "model": {"d_model": d_model, "n_layers": n_layers or num_stages, "n_heads": n_heads, "seq_len": seq_len},
         "optimizer": {"kind": "adamw", "lr": lr, "warmup_steps": warmup_steps},
         "limits": {"max_message_mb": max_message_mb},
@@ -51,7 +68,9 @@ def write_spec(path: Path, run_id: str, num_stages: int = 2, **knobs: Any) -> Pa
 def _merged(base: Mapping[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
     out = dict(base)
     for key, value in over.items():
-        out[key] = _merged(out[key], value) if isinstance(value, Mapping) and isinstance(out.get(key), Mapping) else value
+        out[key] = (
+            _merged(out[key], value) if isinstance(value, Mapping) and isinstance(out.get(key), Mapping) else value
+        )
     return out
 
 
@@ -100,8 +119,9 @@ class LocalSwarm:
         self.group = ProcessGroup(self.workdir, env={"SWARMPIPE_LOG_LEVEL": self.log_level})
         self.events = self.workdir / "events.jsonl"
 
-    def write_spec(self, num_stages: int = 2, n_layers: int | None = None, *, name: str = "spec.toml",
-                   **knobs: Any) -> Path:
+    def write_spec(
+        self, num_stages: int = 2, n_layers: int | None = None, *, name: str = "spec.toml", **knobs: Any
+    ) -> Path:
         """This swarm's run spec from the one template; ``knobs``: :func:`spec_toml`'s keywords."""
         return write_spec(self.workdir / name, self.run_id, num_stages, n_layers=n_layers, **knobs)
 
@@ -109,8 +129,9 @@ class LocalSwarm:
         return self.group.start(name, role, *args, prefix=self.prefix if prefix is None else prefix)
 
     # ------------------------------------------------------------ roles
-    def start_coordinator(self, spec: Path | None = None, *args: str, wait: bool = True, http_port: int = 0,
-                          timeout: float = 120) -> Launched:
+    def start_coordinator(
+        self, spec: Path | None = None, *args: str, wait: bool = True, http_port: int = 0, timeout: float = 120
+    ) -> Launched:
         """``spec`` None: the coordinator's built-in spec (pass ``--run-id`` / ``--num-stages`` in ``args``).
         A restart reuses the identity and the saved port, so ``maddr`` stays the same."""
         peers_file = self.workdir / "initial_peers.txt"
@@ -118,28 +139,68 @@ class LocalSwarm:
         spec_args = ["--spec", str(spec)] if spec else []
         ckpt_args = ["--checkpoint-dir", str(self.workdir / "checkpoints")] if self.checkpoints else []
         self.coordinator = self.start_role(
-            "coordinator", "coordinator", *spec_args, "--http-port", str(http_port), "--peers-file", str(peers_file),
-            "--identity", str(self.workdir / "swarmpipe.coordinator.key"), *ckpt_args, "--event-log", str(self.events),
-            "--host", self.host, *args)
+            "coordinator",
+            "coordinator",
+            *spec_args,
+            "--http-port",
+            str(http_port),
+            "--peers-file",
+            str(peers_file),
+            "--identity",
+            str(self.workdir / "swarmpipe.coordinator.key"),
+            *ckpt_args,
+            "--event-log",
+            str(self.events),
+            "--host",
+            self.host,
+            *args,
+        )
         if wait:
             wait_for(peers_file.exists, timeout, "coordinator initial peers", procs=[self.coordinator])
             self.maddr = peers_file.read_text().split()[0]
             # The dashboard line is printed before the peers file is written: the newest one is this process's.
-            self.url = wait_for(lambda: coordinator_http_url(self.coordinator), 15, "coordinator dashboard url",
-                                procs=[self.coordinator])
+            self.url = wait_for(
+                lambda: coordinator_http_url(self.coordinator),
+                15,
+                "coordinator dashboard url",
+                procs=[self.coordinator],
+            )
         return self.coordinator
 
-    def start_peer(self, stage: int | None = None, *args: str, wait: bool = True, name: str | None = None,
-                   host: str | None = None, prefix: list[str] | None = None, timeout: float = 90) -> Launched:
+    def start_peer(
+        self,
+        stage: int | None = None,
+        *args: str,
+        wait: bool = True,
+        name: str | None = None,
+        host: str | None = None,
+        prefix: list[str] | None = None,
+        timeout: float = 90,
+    ) -> Launched:
         """``stage`` None: the peer picks the stage that most needs it."""
         self._peer_count += 1
         name = name or f"peer{self._peer_count}-s{stage if stage is not None else 'auto'}"
         ready = self.workdir / f"{name}.ready"
         ready.unlink(missing_ok=True)
         stage_args = ["--stage", str(stage)] if stage is not None else []
-        launched = self.start_role(name, "peer", "--initial-peers", self.maddr, "--run-id", self.run_id, *stage_args,
-                                   "--ready-file", str(ready), "--event-log", str(self.events), "--host", host or self.host,
-                                   *_announce(self.peer_announce_period), *args, prefix=prefix)
+        launched = self.start_role(
+            name,
+            "peer",
+            "--initial-peers",
+            self.maddr,
+            "--run-id",
+            self.run_id,
+            *stage_args,
+            "--ready-file",
+            str(ready),
+            "--event-log",
+            str(self.events),
+            "--host",
+            host or self.host,
+            *_announce(self.peer_announce_period),
+            *args,
+            prefix=prefix,
+        )
         launched.ready_path = ready
         if wait:
             self.wait_ready(launched, timeout)
@@ -149,14 +210,30 @@ class LocalSwarm:
         """The peer's ready file (address, stage, peer id, pid) once it serves."""
         return wait_for(lambda: read_json(launched.ready_path), timeout, f"{launched.name} to serve", procs=[launched])
 
-    def start_trainer(self, steps: int, *args: str, name: str = "trainer",
-                      report: Path | None = None) -> tuple[Launched, Path]:
+    def start_trainer(
+        self, steps: int, *args: str, name: str = "trainer", report: Path | None = None
+    ) -> tuple[Launched, Path]:
         report = report or self.workdir / f"{name}-report.json"
         report.unlink(missing_ok=True)
-        launched = self.start_role(name, "train", "--initial-peers", self.maddr, "--run-id", self.run_id,
-                                   "--steps", str(steps), "--no-progress", "--report", str(report),
-                                   "--event-log", str(self.events), "--host", self.host,
-                                   *_announce(self.trainer_announce_period), *args)
+        launched = self.start_role(
+            name,
+            "train",
+            "--initial-peers",
+            self.maddr,
+            "--run-id",
+            self.run_id,
+            "--steps",
+            str(steps),
+            "--no-progress",
+            "--report",
+            str(report),
+            "--event-log",
+            str(self.events),
+            "--host",
+            self.host,
+            *_announce(self.trainer_announce_period),
+            *args,
+        )
         return launched, report
 
     def wait_report(self, trainer: Launched, report: Path, timeout: float) -> dict:
@@ -164,8 +241,9 @@ class LocalSwarm:
         wait_for(lambda: not trainer.alive(), timeout, f"{trainer.name} to finish", poll=0.5)
         data = read_json(report)
         if data is None:
-            raise RuntimeError(f"{trainer.name} wrote no report (exit {trainer.proc.returncode}):\n"
-                               f"{trainer.log_text()[-4000:]}")
+            raise RuntimeError(
+                f"{trainer.name} wrote no report (exit {trainer.proc.returncode}):\n{trainer.log_text()[-4000:]}"
+            )
         return data
 
     # ------------------------------------------------------------ reading

@@ -2,12 +2,14 @@
 
 No protocol logic lives here; each subcommand calls into its module.
 """
+
 from __future__ import annotations
 
 import argparse
 import asyncio
 import sys
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from swarmpipe.cli.args import add_dataclass_flags, resolve
 from swarmpipe.peer.config import (
@@ -25,6 +27,7 @@ def run_async(coro_factory: Callable[[], Any]) -> Any:
     """Run on uvloop where available (every long-running process), else asyncio's loop."""
     try:
         import uvloop
+
         return uvloop.run(coro_factory())
     except ImportError:
         return asyncio.run(coro_factory())
@@ -32,32 +35,38 @@ def run_async(coro_factory: Callable[[], Any]) -> Any:
 
 def cmd_peer(cfg: PeerConfig) -> int:
     from swarmpipe.peer.stage.daemon import PeerDaemon
+
     return run_async(lambda: PeerDaemon(cfg).run())
 
 
 def cmd_train(cfg: TrainerConfig) -> int:
     from swarmpipe.peer.trainer.trainer import Trainer
+
     report = run_async(lambda: Trainer(cfg).run())
     return 0 if report.get("microbatches_lost", 0) == 0 else 3
 
 
 def cmd_coordinator(cfg: CoordinatorConfig) -> int:
     from swarmpipe.coordinator.service import Coordinator
+
     return run_async(lambda: Coordinator(cfg).run())
 
 
 def cmd_demo(cfg: DemoConfig) -> int:
     from swarmpipe.cli.demo import run_demo
+
     return run_demo(cfg)
 
 
 def cmd_status(cfg: StatusConfig) -> int:
     from swarmpipe.cli.status import run_status
+
     return run_status(cfg)
 
 
 def cmd_healthcheck(cfg: HealthcheckConfig) -> int:
     from swarmpipe.cli.healthcheck import run_healthcheck
+
     return run_healthcheck(cfg)
 
 
@@ -72,7 +81,9 @@ COMMANDS: dict[str, tuple[type, Callable[[Any], int], str]] = {
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="swarmpipe", description="Asynchronous pipeline training on a volunteer swarm.")
+    parser = argparse.ArgumentParser(
+        prog="swarmpipe", description="Asynchronous pipeline training on a volunteer swarm."
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     for name, (cls, _, help_text) in COMMANDS.items():
         add_dataclass_flags(sub.add_parser(name, help=help_text, description=help_text), cls)

@@ -1,4 +1,5 @@
 """``swarmpipe status``: the swarm as a terminal table, read from the DHT (or a coordinator's API)."""
+
 from __future__ import annotations
 
 import asyncio
@@ -7,8 +8,8 @@ import time
 import urllib.request
 from typing import Any
 
-from swarmpipe.peer.swarm.bootstrap import resolve_initial_peers
 from swarmpipe.peer.config import StatusConfig
+from swarmpipe.peer.swarm.bootstrap import resolve_initial_peers
 from swarmpipe.peer.swarm.dht import SwarmDHT, start_dht
 
 
@@ -24,12 +25,16 @@ async def _read_dht(cfg: StatusConfig) -> list[dict[str, Any]]:
             num_stages = spec.num_stages if spec else (index[run_id].num_stages if run_id in index else 0)
             stages = await swarm.all_stages(num_stages)
             trainers = await swarm.trainers()
-            runs.append({
-                "run_id": run_id,
-                "stages": [{"index": s, "peers": [{"peer_id": pid, **r.model_dump()} for pid, r in sorted(peers.items())]}
-                           for s, peers in enumerate(stages)],
-                "trainers": [{"peer_id": pid, **t.model_dump()} for pid, t in sorted(trainers.items())],
-            })
+            runs.append(
+                {
+                    "run_id": run_id,
+                    "stages": [
+                        {"index": s, "peers": [{"peer_id": pid, **r.model_dump()} for pid, r in sorted(peers.items())]}
+                        for s, peers in enumerate(stages)
+                    ],
+                    "trainers": [{"peer_id": pid, **t.model_dump()} for pid, t in sorted(trainers.items())],
+                }
+            )
         return runs
     finally:
         dht.shutdown()
@@ -46,17 +51,23 @@ def render(runs: list[dict[str, Any]]) -> str:
     lines = []
     for run in runs:
         lines.append(f"run {run['run_id']}")
-        lines.append(f"  {'stage':>5}  {'peer':<8} {'state':<9} {'address':<22} {'mb/s':>7} {'queue':>5} {'version':>8}  age")
+        lines.append(
+            f"  {'stage':>5}  {'peer':<8} {'state':<9} {'address':<22} {'mb/s':>7} {'queue':>5} {'version':>8}  age"
+        )
         for stage in run["stages"]:
             if not stage["peers"]:
                 lines.append(f"  {stage['index']:>5}  {'-':<8} {'NO PEERS':<9}")
             for p in stage["peers"]:
                 age = time.time() - p.get("updated_at", time.time())
-                lines.append(f"  {stage['index']:>5}  {p['peer_id'][-6:]:<8} {p['state']:<9} {p['address']:<22} "
-                             f"{p['throughput']:>7.2f} {p['queue']:>5} {p['version']:>8}  {age:.0f}s")
+                lines.append(
+                    f"  {stage['index']:>5}  {p['peer_id'][-6:]:<8} {p['state']:<9} {p['address']:<22} "
+                    f"{p['throughput']:>7.2f} {p['queue']:>5} {p['version']:>8}  {age:.0f}s"
+                )
         for t in run.get("trainers", []):
             loss = f"{t['loss']:.3f}" if t.get("loss") is not None else "n/a"
-            lines.append(f"  trainer {t['peer_id'][-6:]}: step {t['step']}, loss {loss}, {t['samples_per_s']:.1f} samples/s")
+            lines.append(
+                f"  trainer {t['peer_id'][-6:]}: step {t['step']}, loss {loss}, {t['samples_per_s']:.1f} samples/s"
+            )
     return "\n".join(lines)
 
 

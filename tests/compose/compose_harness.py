@@ -6,6 +6,7 @@ two stages, a trainer started once every peer serves. Faults are Docker verbs
 container. A :class:`Monitor` thread samples the coordinator's ``/api/swarm``
 every second so recoveries can be timed and stalls measured.
 """
+
 from __future__ import annotations
 
 import json
@@ -17,9 +18,10 @@ import tempfile
 import threading
 import time
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[2]
 COMPOSE_FILE = REPO / "deploy" / "docker-compose.yml"
@@ -36,8 +38,13 @@ class HarnessError(RuntimeError):
     pass
 
 
-def sh(cmd: list[str], timeout: float = 120, check: bool = True, env: dict[str, str] | None = None,
-       input_text: str | None = None) -> subprocess.CompletedProcess:
+def sh(
+    cmd: list[str],
+    timeout: float = 120,
+    check: bool = True,
+    env: dict[str, str] | None = None,
+    input_text: str | None = None,
+) -> subprocess.CompletedProcess:
     try:
         result = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, input=input_text)
     except subprocess.TimeoutExpired as e:
@@ -81,19 +88,44 @@ def prepare_engine(timeout: float = 2400) -> Engine:
         lines = [line for line in log.splitlines() if "FAILED" in line] or log.strip().splitlines()[-1:]
         raise HarnessError(lines[-1] if lines else f"setup-docker.sh exited {result.returncode}")
     compose_line = [line for line in result.stdout.splitlines() if line.startswith("compose: ")][-1]
-    return Engine(compose=compose_line.split(": ", 1)[1].split(), setup_seconds=time.monotonic() - started, setup_log=log)
+    return Engine(
+        compose=compose_line.split(": ", 1)[1].split(), setup_seconds=time.monotonic() - started, setup_log=log
+    )
 
 
 def remove_leftovers(engine: Engine) -> None:
     """Bring down any suite project a crashed earlier session left behind."""
-    out = sh(["docker", "ps", "-a", "--filter", "label=com.docker.compose.project",
-              "--format", '{{.Label "com.docker.compose.project"}}'], check=False).stdout
-    nets = sh(["docker", "network", "ls", "--filter", "label=com.docker.compose.project",
-               "--format", '{{.Label "com.docker.compose.project"}}'], check=False).stdout
+    out = sh(
+        [
+            "docker",
+            "ps",
+            "-a",
+            "--filter",
+            "label=com.docker.compose.project",
+            "--format",
+            '{{.Label "com.docker.compose.project"}}',
+        ],
+        check=False,
+    ).stdout
+    nets = sh(
+        [
+            "docker",
+            "network",
+            "ls",
+            "--filter",
+            "label=com.docker.compose.project",
+            "--format",
+            '{{.Label "com.docker.compose.project"}}',
+        ],
+        check=False,
+    ).stdout
     for project in sorted(set((out + nets).split())):
         if project.startswith(PROJECT_PREFIX):
-            sh([*engine.compose, "-p", project, "-f", str(COMPOSE_FILE), "down", "-v", "-t", "1", "--remove-orphans"],
-               check=False, timeout=120)
+            sh(
+                [*engine.compose, "-p", project, "-f", str(COMPOSE_FILE), "down", "-v", "-t", "1", "--remove-orphans"],
+                check=False,
+                timeout=120,
+            )
 
 
 # ---------------------------------------------------------------- monitor
@@ -108,7 +140,7 @@ class Sample:
 class Monitor(threading.Thread):
     """Samples /api/swarm every second; keeps the whole timeline."""
 
-    def __init__(self, stack: "Stack", period: float = 1.0):
+    def __init__(self, stack: Stack, period: float = 1.0):
         super().__init__(daemon=True, name=f"monitor-{stack.project}")
         self.stack = stack
         self.period = period
@@ -125,9 +157,13 @@ class Monitor(threading.Thread):
                 sample.step = max(steps) if steps else None
                 for stage in snap.get("stages", []):
                     for p in stage.get("peers", []):
-                        sample.peers[p["peer_id"]] = {"stage": stage["index"], "state": p["state"],
-                                                      "updated_at": p["updated_at"], "version": p["version"],
-                                                      "address": p["address"]}
+                        sample.peers[p["peer_id"]] = {
+                            "stage": stage["index"],
+                            "state": p["state"],
+                            "updated_at": p["updated_at"],
+                            "version": p["version"],
+                            "address": p["address"],
+                        }
             with self.lock:
                 self.samples.append(sample)
             self.stop_event.wait(self.period)
@@ -185,19 +221,21 @@ class Stack:
     # -------------------------------------------------------- compose
     def env(self, **extra: str) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items() if not k.startswith("SWARMPIPE_")}
-        env.update({
-            "SWARMPIPE_SPEC": "/opt/swarmpipe/specs/tiny.toml",
-            "SWARMPIPE_RUN_ID": "compose",
-            "SWARMPIPE_RESTART": "no",
-            "SWARMPIPE_DASHBOARD_PORT": str(self.http_port),
-            "SWARMPIPE_DHT_PUBLISH_PORT": str(self.dht_port),
-            "SWARMPIPE_SUBNET": f"{SUBNET_PREFIX}.0/24",
-            "SWARMPIPE_IP_RANGE": f"{SUBNET_PREFIX}.128/25",
-            "SWARMPIPE_COORDINATOR_IP": f"{SUBNET_PREFIX}.2",
-            "SWARMPIPE_CALL_TIMEOUT": "8",
-            "SWARMPIPE_TRAINER_ANNOUNCE_PERIOD": "2",
-            "SWARMPIPE_STEPS": "1",
-        })
+        env.update(
+            {
+                "SWARMPIPE_SPEC": "/opt/swarmpipe/specs/tiny.toml",
+                "SWARMPIPE_RUN_ID": "compose",
+                "SWARMPIPE_RESTART": "no",
+                "SWARMPIPE_DASHBOARD_PORT": str(self.http_port),
+                "SWARMPIPE_DHT_PUBLISH_PORT": str(self.dht_port),
+                "SWARMPIPE_SUBNET": f"{SUBNET_PREFIX}.0/24",
+                "SWARMPIPE_IP_RANGE": f"{SUBNET_PREFIX}.128/25",
+                "SWARMPIPE_COORDINATOR_IP": f"{SUBNET_PREFIX}.2",
+                "SWARMPIPE_CALL_TIMEOUT": "8",
+                "SWARMPIPE_TRAINER_ANNOUNCE_PERIOD": "2",
+                "SWARMPIPE_STEPS": "1",
+            }
+        )
         if os.environ.get("SWARMPIPE_IMAGE"):
             env["SWARMPIPE_IMAGE"] = os.environ["SWARMPIPE_IMAGE"]
         env.update(self.env_overrides)
@@ -205,15 +243,29 @@ class Stack:
         return env
 
     def compose(self, *args: str, timeout: float = 180, check: bool = True, **env: str) -> subprocess.CompletedProcess:
-        return sh([*self.engine.compose, "-p", self.project, "-f", str(COMPOSE_FILE), *args], timeout=timeout,
-                  check=check, env=self.env(**env))
+        return sh(
+            [*self.engine.compose, "-p", self.project, "-f", str(COMPOSE_FILE), *args],
+            timeout=timeout,
+            check=check,
+            env=self.env(**env),
+        )
 
     def up(self, timeout: float = 240) -> None:
         """Coordinator and peers (no trainer yet); wait until every peer serves and is listed."""
         self.down()
         r0, r1 = self.replicas
-        self.compose("up", "-d", "--no-build", "--scale", f"peer0={r0}", "--scale", f"peer1={r1}",
-                     "--scale", "trainer=0", timeout=timeout)
+        self.compose(
+            "up",
+            "-d",
+            "--no-build",
+            "--scale",
+            f"peer0={r0}",
+            "--scale",
+            f"peer1={r1}",
+            "--scale",
+            "trainer=0",
+            timeout=timeout,
+        )
         self.network = self.network_of(self.ids("coordinator")[0])
         self.monitor = Monitor(self)
         self.monitor.start()
@@ -232,8 +284,17 @@ class Stack:
             if not self.running(cid):
                 sh(["docker", "rm", "-f", cid], check=False)
         alive = [c for c in self.ids(service)]
-        self.compose("up", "-d", "--no-build", "--no-deps", "--no-recreate", "--scale", f"{service}={len(alive) + 1}",
-                     service, timeout=120)
+        self.compose(
+            "up",
+            "-d",
+            "--no-build",
+            "--no-deps",
+            "--no-recreate",
+            "--scale",
+            f"{service}={len(alive) + 1}",
+            service,
+            timeout=120,
+        )
         new = [c for c in self.ids(service) if c not in before]
         if not new:
             raise HarnessError(f"no new {service} container appeared")
@@ -246,8 +307,17 @@ class Stack:
 
     # -------------------------------------------------------- containers
     def ids(self, service: str, all_states: bool = True) -> list[str]:
-        cmd = ["docker", "ps", "--no-trunc", "--filter", f"label=com.docker.compose.project={self.project}",
-               "--filter", f"label=com.docker.compose.service={service}", "--format", "{{.ID}}"]
+        cmd = [
+            "docker",
+            "ps",
+            "--no-trunc",
+            "--filter",
+            f"label=com.docker.compose.project={self.project}",
+            "--filter",
+            f"label=com.docker.compose.service={service}",
+            "--format",
+            "{{.ID}}",
+        ]
         if all_states:
             cmd.insert(2, "-a")
         return sorted(sh(cmd).stdout.split())
@@ -394,8 +464,18 @@ class Stack:
         return r.stdout + r.stderr
 
     def save_logs(self) -> None:
-        r = sh(["docker", "ps", "-a", "--filter", f"label=com.docker.compose.project={self.project}", "--format",
-                "{{.ID}} {{.Names}}"], check=False)
+        r = sh(
+            [
+                "docker",
+                "ps",
+                "-a",
+                "--filter",
+                f"label=com.docker.compose.project={self.project}",
+                "--format",
+                "{{.ID}} {{.Names}}",
+            ],
+            check=False,
+        )
         for line in r.stdout.splitlines():
             cid, name = line.split(maxsplit=1)
             (self.logdir / f"{name}.log").write_text(self.logs(cid))
@@ -403,6 +483,13 @@ class Stack:
         if snap is not None:
             (self.logdir / "api_swarm.json").write_text(json.dumps(snap, indent=2))
         if self.monitor is not None:
-            timeline = [{"t": round(s.t - self.monitor.samples[0].t, 1), "step": s.step, "api_up": s.api_up,
-                         "peers": len(s.peers)} for s in self.monitor.samples]
+            timeline = [
+                {
+                    "t": round(s.t - self.monitor.samples[0].t, 1),
+                    "step": s.step,
+                    "api_up": s.api_up,
+                    "peers": len(s.peers),
+                }
+                for s in self.monitor.samples
+            ]
             (self.logdir / "timeline.json").write_text(json.dumps(timeline))

@@ -12,6 +12,7 @@ Environment knobs:
   SWARMPIPE_NEMESIS_SECONDS   how long the nemesis injects faults (120)
   SWARMPIPE_COMPOSE_STRICT    1: soft checks (a healed peer gets work again) fail the scenario too
 """
+
 from __future__ import annotations
 
 import json
@@ -30,7 +31,12 @@ from compose_harness import REPO, Engine, HarnessError, Stack, prepare_engine, r
 RUN_DIR = REPO / "runs" / f"compose-{time.strftime('%Y%m%d-%H%M%S')}"
 RESULTS: list[dict] = []
 STRICT = os.environ.get("SWARMPIPE_COMPOSE_STRICT", "") not in ("", "0")
-STATE: dict = {"engine": None, "error": None, "skip": None, "rate": float(os.environ.get("SWARMPIPE_COMPOSE_RATE", "60"))}
+STATE: dict = {
+    "engine": None,
+    "error": None,
+    "skip": None,
+    "rate": float(os.environ.get("SWARMPIPE_COMPOSE_RATE", "60")),
+}
 
 
 def _is_compose(item: pytest.Item) -> bool:
@@ -45,11 +51,14 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
     reporter = config.pluginmanager.get_plugin("terminalreporter")
     say = (lambda line: reporter.write_line(line)) if reporter else print
     say(f"compose: preparing Docker and the image (deploy/setup-docker.sh); logs in {RUN_DIR}")
-    from compose_harness import sh, SETUP_SCRIPT
+    from compose_harness import SETUP_SCRIPT, sh
+
     probe = sh(["bash", str(SETUP_SCRIPT), "--engine-only"], timeout=600, check=False)
     if probe.returncode != 0:
         lines = [line for line in (probe.stdout + probe.stderr).splitlines() if line.strip()]
-        reason = "Docker cannot be started here: " + (lines[-1].replace("setup-docker: FAILED: ", "") if lines else "unknown")
+        reason = "Docker cannot be started here: " + (
+            lines[-1].replace("setup-docker: FAILED: ", "") if lines else "unknown"
+        )
         STATE["skip"] = reason
         for item in selected:
             item.add_marker(pytest.mark.skip(reason=reason))
@@ -154,9 +163,16 @@ class Scenario:
             **self.facts,
         }
         RESULTS.append(row)
-        loss = (f"loss {row['loss_first']:.2f}->{row['loss_last']:.2f}"
-                if isinstance(row.get("loss_first"), (int, float)) and isinstance(row.get("loss_last"), (int, float)) else "loss n/a")
-        detail = "; ".join(row["failed"]) if row["failed"] else f"{row.get('steps', '?')} steps, {loss}, lost {row.get('lost', '?')}, recovery {self.recovery or 'n/a'}"
+        loss = (
+            f"loss {row['loss_first']:.2f}->{row['loss_last']:.2f}"
+            if isinstance(row.get("loss_first"), (int, float)) and isinstance(row.get("loss_last"), (int, float))
+            else "loss n/a"
+        )
+        detail = (
+            "; ".join(row["failed"])
+            if row["failed"]
+            else f"{row.get('steps', '?')} steps, {loss}, lost {row.get('lost', '?')}, recovery {self.recovery or 'n/a'}"
+        )
         print(f"VERDICT {self.name}: {row['verdict']} in {row['wall_s']} s - {detail}", flush=True)
         return row
 
@@ -204,15 +220,20 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     header = f"{'scenario':<18} {'verdict':<7} {'wall s':>6} {'steps':>6} {'loss first->last':>17} {'lost':>4}  recovery / notes"
     lines = ["", "== swarmpipe Compose fault-injection suite ==", header, "-" * len(header)]
     for r in RESULTS:
-        loss = (f"{r['loss_first']:.2f} -> {r['loss_last']:.2f}"
-                if isinstance(r.get("loss_first"), (int, float)) and isinstance(r.get("loss_last"), (int, float)) else "n/a")
+        loss = (
+            f"{r['loss_first']:.2f} -> {r['loss_last']:.2f}"
+            if isinstance(r.get("loss_first"), (int, float)) and isinstance(r.get("loss_last"), (int, float))
+            else "n/a"
+        )
         notes = r["recovery"] or ""
         if r.get("warnings"):
             notes = (notes + "; " if notes else "") + "WARN: " + "; ".join(r["warnings"])
         if r["failed"]:
             notes = (notes + "; " if notes else "") + "FAILED: " + "; ".join(r["failed"])
-        lines.append(f"{r['scenario']:<18} {r['verdict']:<7} {r['wall_s']:>6} {str(r.get('steps', '-')):>6} {loss:>17} "
-                     f"{str(r.get('lost', '-')):>4}  {notes}")
+        lines.append(
+            f"{r['scenario']:<18} {r['verdict']:<7} {r['wall_s']:>6} {str(r.get('steps', '-')):>6} {loss:>17} "
+            f"{str(r.get('lost', '-')):>4}  {notes}"
+        )
     engine = STATE.get("engine")
     if engine is not None:
         lines.append(f"set-up (deploy/setup-docker.sh): {engine.setup_seconds:.0f} s; logs and reports: {RUN_DIR}")

@@ -1,5 +1,6 @@
 """What every Compose fault scenario shares: bringing the stack up, sizing and starting the trainer,
 waiting for peers to come back, and the end-of-run invariants (see test_faults.py)."""
+
 from __future__ import annotations
 
 import time
@@ -59,14 +60,26 @@ def finish_training(sc, steps: int, survivors: list[str], gone: tuple[str, ...] 
     report = st.report()
     sc.learn_rate(report)
     completed, dropped = report.get("microbatches_completed", 0), report.get("microbatches_dropped_stale", 0)
-    sc.facts.update(steps=completed, lost=report.get("microbatches_lost"), loss_first=report.get("loss_first"),
-                    loss_last=report.get("loss_last"), retried=report.get("microbatches_retried"), dropped_stale=dropped)
-    sc.check("training progressed: every micro-batch ended", completed + dropped == steps and completed >= 0.9 * steps,
-             f"{completed} completed + {dropped} dropped stale of {steps}, {report.get('microbatches_retried')} retried")
+    sc.facts.update(
+        steps=completed,
+        lost=report.get("microbatches_lost"),
+        loss_first=report.get("loss_first"),
+        loss_last=report.get("loss_last"),
+        retried=report.get("microbatches_retried"),
+        dropped_stale=dropped,
+    )
+    sc.check(
+        "training progressed: every micro-batch ended",
+        completed + dropped == steps and completed >= 0.9 * steps,
+        f"{completed} completed + {dropped} dropped stale of {steps}, {report.get('microbatches_retried')} retried",
+    )
     sc.check("microbatches_lost == 0", report.get("microbatches_lost") == 0, f"lost {report.get('microbatches_lost')}")
     first, last = report.get("loss_first"), report.get("loss_last")
-    sc.check("loss fell", isinstance(first, float) and isinstance(last, float) and last < LOSS_FALL * first,
-             f"{first} -> {last}")
+    sc.check(
+        "loss fell",
+        isinstance(first, float) and isinstance(last, float) and last < LOSS_FALL * first,
+        f"{first} -> {last}",
+    )
     survivor_ids = {st.peer_id(cid): st.short(cid) for cid in survivors}
     try:
         wait_until(lambda: set(survivor_ids) <= set(st.listed()), 45, "every surviving peer listed", poll=2.0)
@@ -75,12 +88,22 @@ def finish_training(sc, steps: int, survivors: list[str], gone: tuple[str, ...] 
         ok = False
     listed = st.listed()
     missing = [name for pid, name in survivor_ids.items() if pid not in listed]
-    sc.check("every surviving peer listed online", ok, f"{len(survivor_ids) - len(missing)}/{len(survivor_ids)} listed"
-             + (f", missing {', '.join(missing)}" if missing else ""))
+    sc.check(
+        "every surviving peer listed online",
+        ok,
+        f"{len(survivor_ids) - len(missing)}/{len(survivor_ids)} listed"
+        + (f", missing {', '.join(missing)}" if missing else ""),
+    )
     if gone:
         try:
-            wait_until(lambda: not set(gone) & set(p for s in (st.api() or {}).get("stages", []) for p in
-                                                   (x["peer_id"] for x in s["peers"])), FRESH_S + 15, "dead peers to expire")
+            wait_until(
+                lambda: (
+                    not set(gone)
+                    & set(p for s in (st.api() or {}).get("stages", []) for p in (x["peer_id"] for x in s["peers"]))
+                ),
+                FRESH_S + 15,
+                "dead peers to expire",
+            )
             ok = True
         except HarnessError:
             ok = False
@@ -94,8 +117,11 @@ def finish_training(sc, steps: int, survivors: list[str], gone: tuple[str, ...] 
 def healed_while_training(sc) -> None:
     """The fault and its healing must fall inside the training run, or the scenario proves nothing."""
     training = sc.stack.running(sc.stack.ids("trainer")[0])
-    sc.check("fault healed while the trainer was still training", training,
-             "" if training else "the trainer run was too short for this machine's speed now")
+    sc.check(
+        "fault healed while the trainer was still training",
+        training,
+        "" if training else "the trainer run was too short for this machine's speed now",
+    )
 
 
 def start_training(sc, seconds: float) -> int:

@@ -13,15 +13,22 @@ Soft check (a warning in the verdict unless SWARMPIPE_COMPOSE_STRICT=1): a heale
 replacement peer gets work from the trainer again within 90 s.
 Replicas: 2 per stage, so a stage keeps a live replica while the other one is faulted.
 """
+
 from __future__ import annotations
 
 import time
 
 import pytest
-
 from compose_harness import HarnessError, wait_until
-from fault_checks import (bring_up, finish_training, healed_while_training, progress_during, start_training,
-                          wait_listed, wait_takes_work)
+from fault_checks import (
+    bring_up,
+    finish_training,
+    healed_while_training,
+    progress_during,
+    start_training,
+    wait_listed,
+    wait_takes_work,
+)
 
 pytestmark = [pytest.mark.compose, pytest.mark.slow]
 
@@ -47,8 +54,11 @@ def test_kill_and_replace(scenario):
         continued = time.monotonic() - t_kill
     except HarnessError:
         continued = None
-    sc.check("training continued on the other replica within 45 s", continued is not None,
-             f"+30 micro-batches after {continued:.0f} s" if continued is not None else "no progress")
+    sc.check(
+        "training continued on the other replica within 45 s",
+        continued is not None,
+        f"+30 micro-batches after {continued:.0f} s" if continued is not None else "no progress",
+    )
 
     replacement = st.add_replica("peer0")
     healed_while_training(sc)
@@ -58,16 +68,26 @@ def test_kill_and_replace(scenario):
         serving = st.wait_serving([replacement], bound)
     except HarnessError:
         serving = None
-    sc.check(f"replacement serving and listed within {bound} s", serving is not None,
-             f"{serving:.0f} s" if serving is not None else "timed out")
+    sc.check(
+        f"replacement serving and listed within {bound} s",
+        serving is not None,
+        f"{serving:.0f} s" if serving is not None else "timed out",
+    )
     if serving is not None:
         replacement_id = st.peer_id(replacement)
         took = wait_takes_work(sc, replacement_id, 90)
-        sc.check("replacement took work within 90 s", took is not None, f"{took:.0f} s" if took is not None else "never",
-                 soft=True)
+        sc.check(
+            "replacement took work within 90 s",
+            took is not None,
+            f"{took:.0f} s" if took is not None else "never",
+            soft=True,
+        )
         survivors.append(replacement)
-    sc.recovery = (f"training went on after {continued:.0f} s; " if continued is not None else "") + \
-        (f"replacement listed {serving:.0f} s after start (bound {bound})" if serving is not None else "replacement never served")
+    sc.recovery = (f"training went on after {continued:.0f} s; " if continued is not None else "") + (
+        f"replacement listed {serving:.0f} s after start (bound {bound})"
+        if serving is not None
+        else "replacement never served"
+    )
     finish_training(sc, steps, survivors, gone=(victim_id,))
     sc.assert_passed()
 
@@ -90,12 +110,21 @@ def test_pause_and_unpause(scenario):
     healed_while_training(sc)
     bound = 30
     listed = wait_listed(sc, victim_id, bound)
-    sc.check(f"unpaused peer listed online again within {bound} s", listed is not None,
-             f"{listed:.0f} s" if listed is not None else "timed out")
+    sc.check(
+        f"unpaused peer listed online again within {bound} s",
+        listed is not None,
+        f"{listed:.0f} s" if listed is not None else "timed out",
+    )
     took = wait_takes_work(sc, victim_id, 90)
-    sc.check("unpaused peer took work again within 90 s", took is not None, f"{took:.0f} s" if took is not None else "never",
-                 soft=True)
-    sc.recovery = f"listed again {listed:.0f} s after unpause (bound {bound})" if listed is not None else "never listed again"
+    sc.check(
+        "unpaused peer took work again within 90 s",
+        took is not None,
+        f"{took:.0f} s" if took is not None else "never",
+        soft=True,
+    )
+    sc.recovery = (
+        f"listed again {listed:.0f} s after unpause (bound {bound})" if listed is not None else "never listed again"
+    )
     finish_training(sc, steps, st.peer_ids())
     sc.assert_passed()
 
@@ -103,7 +132,9 @@ def test_pause_and_unpause(scenario):
 # ---------------------------------------------------------------- 3
 @pytest.mark.timeout(600)
 def test_netem_delay_loss_rate(scenario):
-    sc = scenario("netem", "one stage-0 replica: 100 ms +- 20 ms delay, then 5 % loss, then 50 Mbit/s (tc in the container)")
+    sc = scenario(
+        "netem", "one stage-0 replica: 100 ms +- 20 ms delay, then 5 % loss, then 50 Mbit/s (tc in the container)"
+    )
     st = sc.stack
     bring_up(sc)
     victim = st.ids("peer0")[1]
@@ -112,25 +143,42 @@ def test_netem_delay_loss_rate(scenario):
     victim_addr = st.ready(victim)["address"]
     steps = start_training(sc, 100)
 
-    for args, label in ((("delay", "100ms", "20ms"), "100 ms delay"), (("loss", "5%"), "5 % loss"),
-                        (("rate", "50mbit"), "50 Mbit/s")):
+    for args, label in (
+        (("delay", "100ms", "20ms"), "100 ms delay"),
+        (("loss", "5%"), "5 % loss"),
+        (("rate", "50mbit"), "50 Mbit/s"),
+    ):
         sc.note(st.netem(victim, *args))
         progress_during(sc, 10, 20, f"under {label}")
         t0 = time.monotonic()
         out = st.exec(other, "swarmpipe", "healthcheck", "--address", victim_addr, "--timeout", "10", check=False)
-        sc.check(f"impaired peer answers Info under {label}", out.startswith("healthy"),
-                 f"{out.strip()[:60]} in {time.monotonic() - t0:.1f} s")
+        sc.check(
+            f"impaired peer answers Info under {label}",
+            out.startswith("healthy"),
+            f"{out.strip()[:60]} in {time.monotonic() - t0:.1f} s",
+        )
         time.sleep(5)
     sc.note(st.netem(victim, "clear"))
     healed_while_training(sc)
     bound = 20
     listed = wait_listed(sc, victim_id, bound)
-    sc.check(f"impaired peer listed online within {bound} s after clearing", listed is not None,
-             f"{listed:.0f} s" if listed is not None else "timed out")
+    sc.check(
+        f"impaired peer listed online within {bound} s after clearing",
+        listed is not None,
+        f"{listed:.0f} s" if listed is not None else "timed out",
+    )
     took = wait_takes_work(sc, victim_id, 90)
-    sc.check("impaired peer takes work after clearing", took is not None, f"{took:.0f} s" if took is not None else "never",
-                 soft=True)
-    sc.recovery = f"listed {listed:.0f} s after clearing (bound {bound}); progress in every phase" if listed is not None else "not listed after clearing"
+    sc.check(
+        "impaired peer takes work after clearing",
+        took is not None,
+        f"{took:.0f} s" if took is not None else "never",
+        soft=True,
+    )
+    sc.recovery = (
+        f"listed {listed:.0f} s after clearing (bound {bound}); progress in every phase"
+        if listed is not None
+        else "not listed after clearing"
+    )
     finish_training(sc, steps, st.peer_ids())
     sc.assert_passed()
 
@@ -153,12 +201,21 @@ def test_partition_and_heal(scenario):
     healed_while_training(sc)
     bound = 45
     listed = wait_listed(sc, victim_id, bound)
-    sc.check(f"partitioned peer listed online again within {bound} s", listed is not None,
-             f"{listed:.0f} s" if listed is not None else "timed out")
+    sc.check(
+        f"partitioned peer listed online again within {bound} s",
+        listed is not None,
+        f"{listed:.0f} s" if listed is not None else "timed out",
+    )
     took = wait_takes_work(sc, victim_id, 90)
-    sc.check("partitioned peer took work again within 90 s", took is not None, f"{took:.0f} s" if took is not None else "never",
-                 soft=True)
-    sc.recovery = f"listed again {listed:.0f} s after reconnect (bound {bound})" if listed is not None else "never listed again"
+    sc.check(
+        "partitioned peer took work again within 90 s",
+        took is not None,
+        f"{took:.0f} s" if took is not None else "never",
+        soft=True,
+    )
+    sc.recovery = (
+        f"listed again {listed:.0f} s after reconnect (bound {bound})" if listed is not None else "never listed again"
+    )
     finish_training(sc, steps, st.peer_ids())
     sc.assert_passed()
 
@@ -191,8 +248,11 @@ def test_coordinator_restart(scenario):
     time.sleep(15)
     after = _peer_versions(st)
     advanced = [pid for pid, v in after.items() if v > before.get(pid, 0)]
-    sc.check("training went on without the coordinator", len(advanced) >= 2 and st.running(st.ids("trainer")[0]),
-             f"{len(advanced)}/{len(after)} peers' versions advanced while it was down")
+    sc.check(
+        "training went on without the coordinator",
+        len(advanced) >= 2 and st.running(st.ids("trainer")[0]),
+        f"{len(advanced)}/{len(after)} peers' versions advanced while it was down",
+    )
     st.start(coordinator)
     t0 = time.monotonic()
     sc.note("coordinator started")
@@ -209,11 +269,19 @@ def test_coordinator_restart(scenario):
         recovered = time.monotonic() - t0
     except HarnessError:
         recovered = None
-    sc.check(f"coordinator back, listing all peers and the trainer within {bound} s", recovered is not None,
-             f"{recovered:.0f} s" if recovered is not None else "timed out")
+    sc.check(
+        f"coordinator back, listing all peers and the trainer within {bound} s",
+        recovered is not None,
+        f"{recovered:.0f} s" if recovered is not None else "timed out",
+    )
     maddr_after = st.exec(peer, "cat", "/bootstrap/initial_peers.txt").strip()
-    sc.check("same multiaddr after the restart (identity + fixed port + fixed address)", maddr_after == maddr_before,
-             maddr_after.split("/p2p/")[-1][-6:])
-    sc.recovery = f"API complete {recovered:.0f} s after start (bound {bound})" if recovered is not None else "API incomplete"
+    sc.check(
+        "same multiaddr after the restart (identity + fixed port + fixed address)",
+        maddr_after == maddr_before,
+        maddr_after.split("/p2p/")[-1][-6:],
+    )
+    sc.recovery = (
+        f"API complete {recovered:.0f} s after start (bound {bound})" if recovered is not None else "API incomplete"
+    )
     finish_training(sc, steps, st.peer_ids())
     sc.assert_passed()

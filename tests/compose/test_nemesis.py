@@ -1,6 +1,7 @@
 """The nemesis: seeded random faults, several at once, on the Compose deployment, then the same
 invariants as every single-fault scenario (test_faults.py). Rerun a failure with its printed seed:
 SWARMPIPE_NEMESIS_SEED=<seed> make compose-test COMPOSE_ARGS='-k nemesis'."""
+
 from __future__ import annotations
 
 import os
@@ -8,7 +9,6 @@ import random
 import time
 
 import pytest
-
 from compose_harness import HarnessError, wait_until
 from fault_checks import bring_up, finish_training, healed_while_training, start_training
 
@@ -88,7 +88,9 @@ def test_nemesis(scenario):
                 del booting[slot]
         if pending and st.trainer_step() >= 0.7 * steps:
             # The trainer runs faster than its sizing assumed: heal what is active while it still trains.
-            sc.note(f"t={now:5.0f}s trainer at {st.trainer_step()}/{steps}: dropping the last {len(pending)} planned fault(s)")
+            sc.note(
+                f"t={now:5.0f}s trainer at {st.trainer_step()}/{steps}: dropping the last {len(pending)} planned fault(s)"
+            )
             skipped += len(pending)
             pending.clear()
         if pending and now >= pending[0][0]:
@@ -160,7 +162,8 @@ def test_nemesis(scenario):
     except HarnessError:
         healed = False
     sc.check("every current peer listed within 60 s of the last heal", healed)
-    sc.recovery = f"{len(injected)} faults; all peers listed {'within 60 s' if healed else 'NOT within 60 s'} of the last heal"
+    sc.recovery = (
+        f"{len(injected)} faults; all peers listed {'within 60 s' if healed else 'NOT within 60 s'} of the last heal"
+    )
     finish_training(sc, steps, survivors, gone=tuple(k for k in killed if k))
     sc.assert_passed()
-

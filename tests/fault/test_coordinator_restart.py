@@ -1,13 +1,13 @@
 """The coordinator is not on the data path: kill it, training goes on; restart it, it sees the swarm again."""
+
 from __future__ import annotations
 
 import time
 
 import pytest
+from swarm_support import assert_trained, events_of, kill_tree, wait_step
 
 from swarmpipe.cli.launcher import wait_for
-
-from swarm_support import assert_trained, events_of, kill_tree, wait_step
 
 pytestmark = [pytest.mark.fault, pytest.mark.timeout(360)]
 STEPS = 1_000_000
@@ -35,6 +35,7 @@ def test_kill_and_restart_coordinator(swarm):
         api = swarm.api()
         ids = {p["peer_id"] for s in api["stages"] for p in s["peers"]}
         return ids >= {i["peer_id"] for i in infos} and api["trainers"]
+
     wait_for(sees_swarm, 60, "the restarted coordinator to list every peer and the trainer")
     api = swarm.api()
     assert api["checkpoint"] and api["checkpoint"]["step"] >= 1, "it continues from its checkpoint folder"

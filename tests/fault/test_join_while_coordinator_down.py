@@ -1,12 +1,13 @@
 """A peer started while the coordinator (its only bootstrap peer) is down waits, then joins once it is back."""
+
 from __future__ import annotations
 
 import time
 
 import pytest
-
-from swarmpipe.cli.launcher import read_json, wait_for
 from swarm_support import assert_trained, events_of, kill_tree
+
+from swarmpipe.cli.launcher import read_json
 
 pytestmark = [pytest.mark.fault, pytest.mark.timeout(300)]
 

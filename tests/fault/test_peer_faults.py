@@ -3,6 +3,7 @@
 Real processes on 127.0.0.1, real signals: SIGKILL to the whole process group
 (the peer, its DHT process and p2pd) is a machine vanishing; SIGSTOP is a freeze.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -11,10 +12,10 @@ import signal
 import time
 
 import pytest
+from swarm_support import assert_trained, events_of, kill_tree, wait_step
 
 from swarmpipe.cli.launcher import wait_for
 from swarmpipe.peer.stage.state_transfer import download_state
-from swarm_support import assert_trained, events_of, kill_tree, wait_step
 
 pytestmark = [pytest.mark.fault, pytest.mark.timeout(360)]
 
@@ -46,8 +47,11 @@ def test_sigkill_only_replica_recovers_from_checkpoint(swarm):
         swarm.wait_ready(p)
     trainer, report_path = swarm.start_trainer(STEPS, "--max-time", str(RUN_S), "--call-timeout", "10")
     wait_step(swarm, 60, trainer)
-    wait_for(lambda: (swarm.api().get("checkpoint") or {}).get("stages", {}).get("1", {}).get("version", 0) > 10,
-             60, "a checkpoint of stage 1")
+    wait_for(
+        lambda: (swarm.api().get("checkpoint") or {}).get("stages", {}).get("1", {}).get("version", 0) > 10,
+        60,
+        "a checkpoint of stage 1",
+    )
     kill_tree(victim)
     killed_at = time.monotonic()
     time.sleep(10)
@@ -57,7 +61,11 @@ def test_sigkill_only_replica_recovers_from_checkpoint(swarm):
     assert loaded[0]["version"] > 10
     report = swarm.wait_report(trainer, report_path, timeout=300)
     assert_trained(report, min_steps=150)
-    waits = [e for e in events_of(swarm, "waiting_for_replica") if e["time"] > time.time() - (time.monotonic() - killed_at) - 5]
+    waits = [
+        e
+        for e in events_of(swarm, "waiting_for_replica")
+        if e["time"] > time.time() - (time.monotonic() - killed_at) - 5
+    ]
     assert waits, "the trainer should have said it was waiting for stage 1"
 
 
@@ -80,6 +88,7 @@ def test_sigstop_replica_is_routed_around_and_rejoins(swarm):
     def rejoined():
         peers = {p["peer_id"]: p for s in swarm.api()["stages"] for p in s["peers"]}
         return peers.get(frozen_id, {}).get("state") == "online"
+
     wait_for(rejoined, 60, "the frozen replica to be listed online again")
     report = swarm.wait_report(trainer, report_path, timeout=300)
     assert_trained(report, min_steps=150)
@@ -90,7 +99,7 @@ def test_sigterm_drains_and_hands_state_to_replica(swarm):
     swarm.start_coordinator()
     swarm.start_peer(0, wait=False)
     leaving = swarm.start_peer(1, wait=False, name="leaving")
-    staying = swarm.start_peer(1, wait=False, name="staying")
+    swarm.start_peer(1, wait=False, name="staying")
     infos = {p.name: swarm.wait_ready(p) for p in swarm.group.procs[1:]}
     trainer, report_path = swarm.start_trainer(STEPS, "--max-time", str(RUN_S), "--call-timeout", "10")
     wait_step(swarm, 60, trainer)
@@ -124,7 +133,9 @@ def test_peer_joins_mid_run_with_replica_weights(swarm):
         loaded = [e for e in events_of(swarm, "state_loaded") if e["peer_id"] == joiner_info["peer_id"]]
         joiner_events = [e for e in swarm.read_events() if e.get("peer_id") == joiner_info["peer_id"]]
         assert loaded and loaded[0]["source"] == "replicas" and loaded[0]["seconds"] < 10, joiner_events[:10]
-        digests = [asyncio.run(download_state([info["address"]], "test", 1)).digest() for info in (donor_info, joiner_info)]
+        digests = [
+            asyncio.run(download_state([info["address"]], "test", 1)).digest() for info in (donor_info, joiner_info)
+        ]
         assert digests[0] == digests[1] == loaded[0]["digest"]
         assert served_after < 60
     finally:

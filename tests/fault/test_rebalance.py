@@ -1,11 +1,11 @@
 """Three peers on a light stage, one on a heavy stage: a peer moves to the heavy stage and throughput rises."""
+
 from __future__ import annotations
 
 import statistics
 import time
 
 import pytest
-
 from swarm_support import assert_trained, events_of
 
 pytestmark = [pytest.mark.fault, pytest.mark.timeout(300)]

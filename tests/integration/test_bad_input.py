@@ -1,4 +1,5 @@
 """A peer answering garbage, forged and oversized requests keeps serving valid ones."""
+
 from __future__ import annotations
 
 import grpc
@@ -44,57 +45,164 @@ def test_bad_requests_get_clear_errors_and_peer_keeps_serving(two_peers):
     options = [("grpc.max_send_message_length", 64 << 20)]
     tokens = torch.randint(0, 256, (2, 8))
     good_forward = swarm_pb2.ForwardRequest(run_id="test", stage=0, microbatch_id="ok-1", input=encode(tokens))
-    with grpc.insecure_channel(first_addr, options=options) as first, grpc.insecure_channel(last_addr, options=options) as last:
+    with (
+        grpc.insecure_channel(first_addr, options=options) as first,
+        grpc.insecure_channel(last_addr, options=options) as last,
+    ):
         inv = grpc.StatusCode.INVALID_ARGUMENT
         moved = grpc.StatusCode.FAILED_PRECONDITION  # the caller's view of this peer is stale
-        _expect(first, "Forward", swarm_pb2.ForwardRequest(run_id="other", stage=0, microbatch_id="a", input=encode(tokens)), moved, "wrong run id")
-        _expect(first, "Forward", swarm_pb2.ForwardRequest(run_id="test", stage=1, microbatch_id="a", input=encode(tokens)), moved, "wrong stage")
-        _expect(first, "Forward", swarm_pb2.ForwardRequest(run_id="test", stage=0, microbatch_id="", input=encode(tokens)), inv, "microbatch_id")
+        _expect(
+            first,
+            "Forward",
+            swarm_pb2.ForwardRequest(run_id="other", stage=0, microbatch_id="a", input=encode(tokens)),
+            moved,
+            "wrong run id",
+        )
+        _expect(
+            first,
+            "Forward",
+            swarm_pb2.ForwardRequest(run_id="test", stage=1, microbatch_id="a", input=encode(tokens)),
+            moved,
+            "wrong stage",
+        )
+        _expect(
+            first,
+            "Forward",
+            swarm_pb2.ForwardRequest(run_id="test", stage=0, microbatch_id="", input=encode(tokens)),
+            inv,
+            "microbatch_id",
+        )
         # Shape that does not match the bytes.
         bad = encode(tokens)
         bad.shape[:] = [2, 9]
-        _expect(first, "Forward", swarm_pb2.ForwardRequest(run_id="test", stage=0, microbatch_id="a", input=bad), inv, "bytes do not match")
+        _expect(
+            first,
+            "Forward",
+            swarm_pb2.ForwardRequest(run_id="test", stage=0, microbatch_id="a", input=bad),
+            inv,
+            "bytes do not match",
+        )
         # Disallowed dtypes: a forged dtype string, and floats where token ids belong.
         forged = encode(tokens)
         forged.dtype = "object"
-        _expect(first, "Forward", swarm_pb2.ForwardRequest(run_id="test", stage=0, microbatch_id="a", input=forged), inv, "not allowed")
-        _expect(first, "Forward", swarm_pb2.ForwardRequest(run_id="test", stage=0, microbatch_id="a", input=encode(_hidden())), inv, "not accepted")
+        _expect(
+            first,
+            "Forward",
+            swarm_pb2.ForwardRequest(run_id="test", stage=0, microbatch_id="a", input=forged),
+            inv,
+            "not allowed",
+        )
+        _expect(
+            first,
+            "Forward",
+            swarm_pb2.ForwardRequest(run_id="test", stage=0, microbatch_id="a", input=encode(_hidden())),
+            inv,
+            "not accepted",
+        )
         # Token ids outside the vocabulary, sequence too long.
-        _expect(first, "Forward", swarm_pb2.ForwardRequest(run_id="test", stage=0, microbatch_id="a", input=encode(tokens + 1000)), inv, "token ids")
-        _expect(first, "Forward", swarm_pb2.ForwardRequest(run_id="test", stage=0, microbatch_id="a",
-                                                           input=encode(torch.zeros(1, 33, dtype=torch.int64))), inv, "sequence length")
+        _expect(
+            first,
+            "Forward",
+            swarm_pb2.ForwardRequest(run_id="test", stage=0, microbatch_id="a", input=encode(tokens + 1000)),
+            inv,
+            "token ids",
+        )
+        _expect(
+            first,
+            "Forward",
+            swarm_pb2.ForwardRequest(
+                run_id="test", stage=0, microbatch_id="a", input=encode(torch.zeros(1, 33, dtype=torch.int64))
+            ),
+            inv,
+            "sequence length",
+        )
         # Backward for a micro-batch this peer never saw.
-        _expect(first, "Backward", swarm_pb2.BackwardRequest(run_id="test", stage=0, microbatch_id="never",
-                                                             grad_output=encode(_hidden())), grpc.StatusCode.NOT_FOUND, "no forward")
+        _expect(
+            first,
+            "Backward",
+            swarm_pb2.BackwardRequest(run_id="test", stage=0, microbatch_id="never", grad_output=encode(_hidden())),
+            grpc.StatusCode.NOT_FOUND,
+            "no forward",
+        )
         # NaN and Inf in activations and targets of the wrong shape, on the last stage.
         nan = _hidden()
         nan[0, 0, 0] = float("nan")
         targets = encode(torch.randint(0, 256, (2, 8)))
-        _expect(last, "ForwardBackward", swarm_pb2.ForwardBackwardRequest(run_id="test", stage=1, microbatch_id="a", input=encode(nan), targets=targets), inv, "nan")
+        _expect(
+            last,
+            "ForwardBackward",
+            swarm_pb2.ForwardBackwardRequest(
+                run_id="test", stage=1, microbatch_id="a", input=encode(nan), targets=targets
+            ),
+            inv,
+            "nan",
+        )
         inf = _hidden()
         inf[1, 2, 3] = float("inf")
-        _expect(last, "ForwardBackward", swarm_pb2.ForwardBackwardRequest(run_id="test", stage=1, microbatch_id="a", input=encode(inf, "fp16"), targets=targets), inv, "nan or inf")
-        _expect(last, "ForwardBackward", swarm_pb2.ForwardBackwardRequest(run_id="test", stage=1, microbatch_id="a", input=encode(_hidden()),
-                                                                          targets=encode(torch.zeros(2, 7, dtype=torch.int64))), inv, "does not match")
-        _expect(last, "Forward", swarm_pb2.ForwardRequest(run_id="test", stage=1, microbatch_id="a", input=encode(_hidden())), inv, "ForwardBackward")
+        _expect(
+            last,
+            "ForwardBackward",
+            swarm_pb2.ForwardBackwardRequest(
+                run_id="test", stage=1, microbatch_id="a", input=encode(inf, "fp16"), targets=targets
+            ),
+            inv,
+            "nan or inf",
+        )
+        _expect(
+            last,
+            "ForwardBackward",
+            swarm_pb2.ForwardBackwardRequest(
+                run_id="test",
+                stage=1,
+                microbatch_id="a",
+                input=encode(_hidden()),
+                targets=encode(torch.zeros(2, 7, dtype=torch.int64)),
+            ),
+            inv,
+            "does not match",
+        )
+        _expect(
+            last,
+            "Forward",
+            swarm_pb2.ForwardRequest(run_id="test", stage=1, microbatch_id="a", input=encode(_hidden())),
+            inv,
+            "ForwardBackward",
+        )
         # Oversized: over the spec's 1 MiB message cap.
         huge = encode(torch.randn(2, 32, D_MODEL * 80))
-        _expect(last, "ForwardBackward", swarm_pb2.ForwardBackwardRequest(run_id="test", stage=1, microbatch_id="a", input=huge, targets=targets),
-                grpc.StatusCode.RESOURCE_EXHAUSTED, "")
+        _expect(
+            last,
+            "ForwardBackward",
+            swarm_pb2.ForwardBackwardRequest(run_id="test", stage=1, microbatch_id="a", input=huge, targets=targets),
+            grpc.StatusCode.RESOURCE_EXHAUSTED,
+            "",
+        )
         # Raw garbage that is not even a protobuf message.
         garbage = first.unary_unary("/swarmpipe.Stage/Forward", request_serializer=None, response_deserializer=None)
         with pytest.raises(grpc.RpcError) as info:
             garbage(b"\xff\xff\xff\xff\x0f garbage", timeout=10)
-        assert info.value.code() in (grpc.StatusCode.INTERNAL, grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.UNKNOWN)
+        assert info.value.code() in (
+            grpc.StatusCode.INTERNAL,
+            grpc.StatusCode.INVALID_ARGUMENT,
+            grpc.StatusCode.UNKNOWN,
+        )
 
         # After all that, both peers still serve valid requests.
         out = _call(first, "Forward", good_forward)
         assert list(out.output.shape) == [2, 8, D_MODEL]
-        result = _call(last, "ForwardBackward", swarm_pb2.ForwardBackwardRequest(
-            run_id="test", stage=1, microbatch_id="ok-1", input=out.output, targets=targets))
+        result = _call(
+            last,
+            "ForwardBackward",
+            swarm_pb2.ForwardBackwardRequest(
+                run_id="test", stage=1, microbatch_id="ok-1", input=out.output, targets=targets
+            ),
+        )
         assert result.loss > 0 and result.applied
-        back = _call(first, "Backward", swarm_pb2.BackwardRequest(run_id="test", stage=0, microbatch_id="ok-1",
-                                                                  grad_output=result.grad_input))
+        back = _call(
+            first,
+            "Backward",
+            swarm_pb2.BackwardRequest(run_id="test", stage=0, microbatch_id="ok-1", grad_output=result.grad_input),
+        )
         assert back.applied and back.version == 1
         info = _call(first, "Info", swarm_pb2.InfoRequest(run_id="test"))
         assert info.state == "online" and info.version == 1 and info.protocol == WIRE_PROTOCOL
@@ -111,21 +219,32 @@ def test_forged_record_cannot_replace_a_peers_announcement(swarm):
     from hivemind.utils import get_dht_time
     from hivemind.utils.crypto import RSAPrivateKey
 
-    from swarmpipe.peer.swarm.records import stage_key
     from swarmpipe.peer.swarm.dht import SwarmDHT, start_dht
+    from swarmpipe.peer.swarm.records import stage_key
 
     swarm.start_coordinator()
     info = swarm.wait_ready(swarm.start_peer(0))
-    forger = hivemind.DHT(initial_peers=[swarm.maddr], host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True,
-                          record_validators=[RSASignatureValidator(RSAPrivateKey())])
+    forger = hivemind.DHT(
+        initial_peers=[swarm.maddr],
+        host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+        start=True,
+        record_validators=[RSASignatureValidator(RSAPrivateKey())],
+    )
     reader = start_dht([swarm.maddr])
     try:
         found = reader.get(stage_key("test", 0), latest=True)
         victim_subkey = next(k for k in found.value if isinstance(k, bytes) and k.startswith(info["peer_id"].encode()))
-        forged = {"address": "203.0.113.66:1", "state": "online", "throughput": 1e6, "queue": 0, "version": 0,
-                  "updated_at": time.time()}
+        forged = {
+            "address": "203.0.113.66:1",
+            "state": "online",
+            "throughput": 1e6,
+            "queue": 0,
+            "version": 0,
+            "updated_at": time.time(),
+        }
         assert not forger.store(stage_key("test", 0), forged, get_dht_time() + 60, subkey=victim_subkey)
         import asyncio
+
         peers = asyncio.run(_read_stage(SwarmDHT(reader, "test")))
         assert peers[info["peer_id"]].address == info["address"]
     finally:

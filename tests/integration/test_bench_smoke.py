@@ -3,6 +3,7 @@
 They are not timed here (speed is for the benchmarks themselves); this only keeps them from rotting:
 every callee process starts and stops, every column is filled, the JSON is written.
 """
+
 from __future__ import annotations
 
 import json
@@ -18,15 +19,21 @@ REPO = Path(__file__).resolve().parents[2]
 
 def run_bench(script: str, *args: str, tmp_path: Path) -> tuple[str, dict]:
     out = tmp_path / f"{Path(script).stem}.json"
-    result = subprocess.run([sys.executable, str(REPO / "bench" / script), *args, "--out", str(out)],
-                            cwd=REPO, capture_output=True, text=True, timeout=150)
+    result = subprocess.run(
+        [sys.executable, str(REPO / "bench" / script), *args, "--out", str(out)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=150,
+    )
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     return result.stdout, json.loads(out.read_text())
 
 
 def test_dataplane_bench_fills_every_column(tmp_path: Path) -> None:
-    stdout, data = run_bench("dataplane.py", "--sizes-kib", "64", "1024", "--rounds", "2", "--seconds", "0.05",
-                             tmp_path=tmp_path)
+    stdout, data = run_bench(
+        "dataplane.py", "--sizes-kib", "64", "1024", "--rounds", "2", "--seconds", "0.05", tmp_path=tmp_path
+    )
     assert [r["bytes"] for r in data["rows"]] == [64 * 1024, 1024 * 1024]
     for row in data["rows"]:
         for key in ("tcp_gbps", "swarmpipe_gbps", "swarmpipe_x4_gbps", "hivemind_gbps", "hivemind_x4_gbps"):

@@ -1,4 +1,5 @@
 """The dashboard in a real browser: headless Chromium renders a training swarm's pipeline and loss curve."""
+
 from __future__ import annotations
 
 import os
@@ -33,7 +34,9 @@ def chromium() -> str:
         env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
         try:
             subprocess.run(["apt-get", "update"], env=env, capture_output=True, timeout=300, check=True)
-            subprocess.run(["apt-get", "install", "-y", "chromium"], env=env, capture_output=True, timeout=600, check=True)
+            subprocess.run(
+                ["apt-get", "install", "-y", "chromium"], env=env, capture_output=True, timeout=600, check=True
+            )
         except (OSError, subprocess.SubprocessError):
             pass
         path = _find_browser()
@@ -51,10 +54,22 @@ class Browser:
     def _run(self, url: str, *args: str, budget_ms: int = 6000) -> subprocess.CompletedProcess:
         self.runs += 1
         profile = self.workdir / f"chromium-profile-{self.runs}"  # fresh: nothing cached between loads
-        cmd = [self.binary, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-               "--disable-background-networking", "--disable-component-update", "--disable-sync",
-               "--disable-dev-shm-usage", f"--user-data-dir={profile}", f"--virtual-time-budget={budget_ms}",
-               *args, url]
+        cmd = [
+            self.binary,
+            "--headless",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--disable-quic",
+            "--no-first-run",
+            "--disable-background-networking",
+            "--disable-component-update",
+            "--disable-sync",
+            "--disable-dev-shm-usage",
+            f"--user-data-dir={profile}",
+            f"--virtual-time-budget={budget_ms}",
+            *args,
+            url,
+        ]
         try:
             return subprocess.run(cmd, capture_output=True, text=True, timeout=120)
         finally:
@@ -113,8 +128,9 @@ def test_dashboard_shows_pipeline_and_loss(swarm, chromium, tmp_path):
 
     wait_for(loss_points, 180, f"{MIN_LOSS_POINTS} loss points in /api/history", poll=1.0, procs=[trainer])
     url = swarm.url + "/"
-    page = wait_for(lambda: _rendered(browser, url, 2), 120, "the dashboard to render every stage and a loss curve",
-                    poll=1.0)
+    page = wait_for(
+        lambda: _rendered(browser, url, 2), 120, "the dashboard to render every stage and a loss curve", poll=1.0
+    )
 
     # Stage and replica counts match the API the page was drawn from (membership is stable here).
     api = swarm.api()

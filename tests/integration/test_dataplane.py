@@ -1,5 +1,6 @@
 """Stage RPC over real gRPC: large tensors stream in chunks for every codec, a cut-off or cancelled
 stream fails cleanly (INVALID_ARGUMENT / cancelled) and the peer keeps serving."""
+
 from __future__ import annotations
 
 import asyncio
@@ -8,10 +9,10 @@ import grpc
 import pytest
 import torch
 
-from swarmpipe.peer.transport.channels import ChannelPool
-from swarmpipe.peer.stage.metrics import PeerMetrics
 from swarmpipe.peer.spec import LimitsSpec, ModelSpec, RunSpec
+from swarmpipe.peer.stage.metrics import PeerMetrics
 from swarmpipe.peer.stage.server import StageServicer, start_server
+from swarmpipe.peer.transport.channels import ChannelPool
 from swarmpipe.peer.transport.streaming import StreamingCaller, data_frame_bytes, frames
 from swarmpipe.peer.transport.wire import decode, encode
 from swarmpipe.protos import swarm_pb2
@@ -39,8 +40,12 @@ class IdentityRuntime:
 
 
 async def _serve():
-    spec = RunSpec(run_id="t", num_stages=3, model=ModelSpec(d_model=WIDTH, seq_len=4096),
-                   limits=LimitsSpec(max_message_mb=1, max_tensor_elements=1 << 24))
+    spec = RunSpec(
+        run_id="t",
+        num_stages=3,
+        model=ModelSpec(d_model=WIDTH, seq_len=4096),
+        limits=LimitsSpec(max_message_mb=1, max_tensor_elements=1 << 24),
+    )
     servicer = StageServicer(IdentityRuntime(spec), "peer-x", PeerMetrics())
     servicer.state = "online"
     server, port = await start_server(servicer, "127.0.0.1", 0)
@@ -66,11 +71,14 @@ def test_large_forward_streams_past_the_message_cap(codec: str) -> None:
             want = decode(encode(decode(_request(x, codec).input).float() * 2, codec))
             assert torch.equal(y, want)
             small = torch.randn(1, 3, WIDTH)  # below the threshold: unary, same answer
-            r = await caller.call(pool.channel(address), pool.stub(address), "Forward", _request(small, "none"), timeout=30)
+            r = await caller.call(
+                pool.channel(address), pool.stub(address), "Forward", _request(small, "none"), timeout=30
+            )
             assert torch.equal(decode(r.output), small * 2)
         finally:
             await pool.close()
             await server.stop(None)
+
     asyncio.run(main())
 
 
@@ -78,8 +86,9 @@ def test_cut_off_and_cancelled_streams_fail_cleanly_and_peer_keeps_serving() -> 
     async def main():
         server, address, pool = await _serve()
         channel = pool.channel(address)
-        stream = channel.stream_stream("/swarmpipe.Stage/Stream", request_serializer=lambda b: b,
-                                       response_deserializer=swarm_pb2.Frame.FromString)
+        stream = channel.stream_stream(
+            "/swarmpipe.Stage/Stream", request_serializer=lambda b: b, response_deserializer=swarm_pb2.Frame.FromString
+        )
         try:
             x = torch.randn(2, 1024, WIDTH)
             raw = list(frames(_request(x, "none"), ("input",), method="Forward", chunk_bytes=64 * 1024))
@@ -100,6 +109,7 @@ def test_cut_off_and_cancelled_streams_fail_cleanly_and_peer_keeps_serving() -> 
                 yield raw[0]
                 yield raw[1]
                 await asyncio.sleep(30)
+
             call = stream(slow(), timeout=30)
             await asyncio.sleep(0.3)
             call.cancel()  # the caller goes away midway
@@ -113,4 +123,5 @@ def test_cut_off_and_cancelled_streams_fail_cleanly_and_peer_keeps_serving() -> 
         finally:
             await pool.close()
             await server.stop(None)
+
     asyncio.run(main())

@@ -1,4 +1,5 @@
 """Prometheus /metrics of peers (--metrics-port) and of the coordinator move while the swarm trains."""
+
 from __future__ import annotations
 
 import urllib.request
@@ -32,7 +33,9 @@ class Scrape:
         return self.families[family].type
 
     def values(self, name: str, **labels: str) -> list[float]:
-        return [s.value for s in self.samples if s.name == name and all(s.labels.get(k) == v for k, v in labels.items())]
+        return [
+            s.value for s in self.samples if s.name == name and all(s.labels.get(k) == v for k, v in labels.items())
+        ]
 
     def total(self, name: str, **labels: str) -> float:
         return sum(self.values(name, **labels))
@@ -41,8 +44,14 @@ class Scrape:
         return {s.labels[label] for s in self.samples if s.name == name and label in s.labels}
 
 
-PEER_COUNTERS = ["swarmpipe_requests_total", "swarmpipe_received_bytes_total", "swarmpipe_sent_bytes_total",
-                 "swarmpipe_optimizer_steps_total", "swarmpipe_compute_seconds_count", "swarmpipe_gradient_delay_steps_count"]
+PEER_COUNTERS = [
+    "swarmpipe_requests_total",
+    "swarmpipe_received_bytes_total",
+    "swarmpipe_sent_bytes_total",
+    "swarmpipe_optimizer_steps_total",
+    "swarmpipe_compute_seconds_count",
+    "swarmpipe_gradient_delay_steps_count",
+]
 
 
 def _peer_checks(first: Scrape, second: Scrape, stage: int) -> None:
@@ -58,10 +67,13 @@ def _peer_checks(first: Scrape, second: Scrape, stage: int) -> None:
         assert second.total(name) > first.total(name) > 0, (stage, name, first.total(name), second.total(name))
     methods = ("forward", "backward") if stage == 0 else ("forward_backward",)
     for method in methods:
-        assert second.total("swarmpipe_requests_total", method=method) > first.total("swarmpipe_requests_total", method=method)
+        assert second.total("swarmpipe_requests_total", method=method) > first.total(
+            "swarmpipe_requests_total", method=method
+        )
         # Latency histogram per method: buckets up to +Inf, count matching it, positive sum.
-        assert second.values("swarmpipe_compute_seconds_bucket", method=method, le="+Inf") == \
-            second.values("swarmpipe_compute_seconds_count", method=method)
+        assert second.values("swarmpipe_compute_seconds_bucket", method=method, le="+Inf") == second.values(
+            "swarmpipe_compute_seconds_count", method=method
+        )
         assert second.total("swarmpipe_compute_seconds_sum", method=method) > 0
     # Bytes are labelled by codec.
     assert second.labels("swarmpipe_received_bytes_total", "codec"), second.samples
@@ -84,7 +96,9 @@ def test_peer_and_coordinator_metrics_move_while_training(swarm):
 
     # A rejected request shows up as an error of its kind (a wrong run id: the caller's view is stale).
     with grpc.insecure_channel(infos[0]["address"]) as channel:
-        bad = swarm_pb2.ForwardRequest(run_id="not-this-run", stage=0, microbatch_id="x", input=encode(torch.zeros(1, 4, dtype=torch.long)))
+        bad = swarm_pb2.ForwardRequest(
+            run_id="not-this-run", stage=0, microbatch_id="x", input=encode(torch.zeros(1, 4, dtype=torch.long))
+        )
         with pytest.raises(grpc.RpcError):
             swarm_pb2_grpc.StageStub(channel).Forward(bad, timeout=10)
     errors = Scrape(peer_urls[0])
@@ -92,10 +106,20 @@ def test_peer_and_coordinator_metrics_move_while_training(swarm):
 
     trainer, report_path = swarm.start_trainer(STEPS)
     # First sample while training: every peer did some work and the coordinator saw the trainer.
-    wait_for(lambda: all(Scrape(u).total("swarmpipe_optimizer_steps_total") >= 20 for u in peer_urls), 120,
-             "peers to take optimizer steps", poll=0.5, procs=[trainer])
-    wait_for(lambda: Scrape(coordinator_url).total("swarmpipe_swarm_microbatches_completed_total") > 0, 60,
-             "the coordinator to count completed micro-batches", poll=0.5, procs=[trainer])
+    wait_for(
+        lambda: all(Scrape(u).total("swarmpipe_optimizer_steps_total") >= 20 for u in peer_urls),
+        120,
+        "peers to take optimizer steps",
+        poll=0.5,
+        procs=[trainer],
+    )
+    wait_for(
+        lambda: Scrape(coordinator_url).total("swarmpipe_swarm_microbatches_completed_total") > 0,
+        60,
+        "the coordinator to count completed micro-batches",
+        poll=0.5,
+        procs=[trainer],
+    )
     peers_first = [Scrape(u) for u in peer_urls]
     coord_first = Scrape(coordinator_url)
     assert trainer.alive(), "the trainer finished before the first sample; raise STEPS"
@@ -104,8 +128,12 @@ def test_peer_and_coordinator_metrics_move_while_training(swarm):
     report = swarm.wait_report(trainer, report_path, timeout=240)
     assert trainer.proc.returncode == 0 and report["microbatches_completed"] == STEPS, report
     done = coord_first.total("swarmpipe_swarm_microbatches_completed_total")
-    wait_for(lambda: Scrape(coordinator_url).total("swarmpipe_swarm_microbatches_completed_total") > done, 30,
-             "the coordinator's completed counter to move", poll=0.5)
+    wait_for(
+        lambda: Scrape(coordinator_url).total("swarmpipe_swarm_microbatches_completed_total") > done,
+        30,
+        "the coordinator's completed counter to move",
+        poll=0.5,
+    )
     peers_second = [Scrape(u) for u in peer_urls]
     coord_second = Scrape(coordinator_url)
 
@@ -122,10 +150,14 @@ def test_peer_and_coordinator_metrics_move_while_training(swarm):
     for stage in ("0", "1"):
         assert c2.total("swarmpipe_stage_peers", stage=stage, state="online") == 1
         assert c1.total("swarmpipe_stage_throughput_microbatches_per_second", stage=stage) > 0
-        assert c2.total("swarmpipe_stage_weight_version_max", stage=stage) > c1.total("swarmpipe_stage_weight_version_max", stage=stage)
+        assert c2.total("swarmpipe_stage_weight_version_max", stage=stage) > c1.total(
+            "swarmpipe_stage_weight_version_max", stage=stage
+        )
     assert sum(c2.values("swarmpipe_stage_bottleneck")) == 1
     assert c1.type_of("swarmpipe_swarm_microbatches_completed") == "counter"
-    assert c2.total("swarmpipe_swarm_microbatches_completed_total") > c1.total("swarmpipe_swarm_microbatches_completed_total")
+    assert c2.total("swarmpipe_swarm_microbatches_completed_total") > c1.total(
+        "swarmpipe_swarm_microbatches_completed_total"
+    )
     assert c2.total("swarmpipe_swarm_microbatches_lost_total") == 0
     assert c1.total("swarmpipe_swarm_samples_per_second") > 0
     assert 0 < c2.total("swarmpipe_swarm_loss_nats") < c1.total("swarmpipe_swarm_loss_nats") + 1.0

@@ -1,8 +1,8 @@
 """Replicas of a stage average their weights with hivemind's DecentralizedAverager."""
+
 from __future__ import annotations
 
 import pytest
-
 from swarm_support import assert_trained, events_of
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]

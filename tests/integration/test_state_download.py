@@ -1,5 +1,6 @@
 """State download from several donors over real gRPC servers on 127.0.0.1: replicas at different
 versions never hand a joiner a mixed state; it retries until every shard comes from one snapshot."""
+
 from __future__ import annotations
 
 import pytest
@@ -15,8 +16,13 @@ from swarmpipe.peer.swarm.records import PeerState
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
-SPEC = load_spec(run_id="dl", num_stages=2, averaging_interval_s=0,
-                 model={"d_model": 32, "n_layers": 2, "n_heads": 2, "seq_len": 16}, optimizer={"kind": "adamw"})
+SPEC = load_spec(
+    run_id="dl",
+    num_stages=2,
+    averaging_interval_s=0,
+    model={"d_model": 32, "n_layers": 2, "n_heads": 2, "seq_len": 16},
+    optimizer={"kind": "adamw"},
+)
 
 
 def _trained(steps: int) -> StageRuntime:

@@ -1,4 +1,5 @@
 """A real swarm on 127.0.0.1: coordinator, two stages with two replicas each, a trainer."""
+
 from __future__ import annotations
 
 import pytest
@@ -16,8 +17,16 @@ def test_two_stages_two_replicas_train(swarm):
     report = swarm.wait_report(trainer, report_path, timeout=240)
     assert trainer.proc.returncode == 0, trainer.log_text()[-3000:]
 
-    for field in ("steps", "microbatches_started", "microbatches_completed", "microbatches_retried",
-                  "microbatches_lost", "loss_first", "loss_last", "samples_per_s"):
+    for field in (
+        "steps",
+        "microbatches_started",
+        "microbatches_completed",
+        "microbatches_retried",
+        "microbatches_lost",
+        "loss_first",
+        "loss_last",
+        "samples_per_s",
+    ):
         assert field in report, field
     assert report["steps"] >= 80
     assert report["microbatches_lost"] == 0
@@ -57,8 +66,9 @@ def test_peer_picks_emptiest_stage_and_runs_index(swarm):
     auto = swarm.wait_ready(swarm.start_peer(None))  # stages 1 and 2 are empty: it must take one of them
     assert first["stage"] == 0 and auto["stage"] in (1, 2)
     # No --run-id: a volunteer joins the run the swarm index lists.
-    launched = swarm.group.start("volunteer", "peer", "--initial-peers", swarm.maddr,
-                                 "--ready-file", str(swarm.workdir / "volunteer.ready"))
+    launched = swarm.group.start(
+        "volunteer", "peer", "--initial-peers", swarm.maddr, "--ready-file", str(swarm.workdir / "volunteer.ready")
+    )
     launched.ready_path = swarm.workdir / "volunteer.ready"
     info = swarm.wait_ready(launched)
     assert info["run_id"] == "test"

@@ -1,4 +1,5 @@
 """Unit-test fixtures: one torch thread (the machine is shared)."""
+
 from __future__ import annotations
 
 import pytest

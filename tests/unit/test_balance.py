@@ -1,4 +1,5 @@
 """swarmpipe.peer.swarm.balance: which stage a joining peer serves, and when a peer should move (hysteresis)."""
+
 from __future__ import annotations
 
 import random
@@ -15,8 +16,9 @@ _port = iter(range(1000, 60000))
 
 
 def rec(throughput: float, state: str = "online") -> StageRecord:
-    return StageRecord(address=f"10.0.0.1:{next(_port)}", state=state, throughput=throughput, queue=0,
-                       version=0, updated_at=0.0)
+    return StageRecord(
+        address=f"10.0.0.1:{next(_port)}", state=state, throughput=throughput, queue=0, version=0, updated_at=0.0
+    )
 
 
 def stage(*throughputs: float, prefix: str = "p", draining: tuple[float, ...] = ()) -> dict[str, StageRecord]:
@@ -27,6 +29,7 @@ def stage(*throughputs: float, prefix: str = "p", draining: tuple[float, ...] = 
 
 # ------------------------------------------------------------------ stage_throughputs
 
+
 def test_stage_throughputs() -> None:
     stages = [stage(2.0, 3.0), stage(0.0, 0.0, prefix="q"), {}, stage(5.0, draining=(100.0,))]
     assert stage_throughputs(stages) == [5.0, 2 * NEW_PEER_THROUGHPUT, 0.0, 5.0]
@@ -34,6 +37,7 @@ def test_stage_throughputs() -> None:
 
 
 # ------------------------------------------------------------------ choose_stage
+
 
 def test_empty_stage_first() -> None:
     stages = [stage(1.0), stage(50.0), {}, stage(0.5)]
@@ -73,6 +77,7 @@ def test_default_rng() -> None:
 
 
 # ------------------------------------------------------------------ rebalance_target
+
 
 def with_me(my_tp: float, *others: float, draining: tuple[float, ...] = ()) -> dict[str, StageRecord]:
     out = {"me": rec(my_tp)}

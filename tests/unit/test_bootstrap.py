@@ -1,4 +1,5 @@
 """swarmpipe.peer.swarm.bootstrap: initial peers from flags or the shipped list, and which run to join."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -15,8 +16,9 @@ _port = iter(range(2000, 60000))
 
 
 def rec(throughput: float = 1.0, state: str = "online") -> StageRecord:
-    return StageRecord(address=f"10.0.0.2:{next(_port)}", state=state, throughput=throughput, queue=0,
-                       version=0, updated_at=0.0)
+    return StageRecord(
+        address=f"10.0.0.2:{next(_port)}", state=state, throughput=throughput, queue=0, version=0, updated_at=0.0
+    )
 
 
 def run(run_id: str, num_stages: int = 2) -> RunIndexRecord:
@@ -55,12 +57,15 @@ def test_unknown_swarm() -> None:
 
 
 def test_shipped_list_parsing(shipped: Path) -> None:
-    (shipped / "lab.txt").write_text("""# header comment
-/ip4/10.0.0.1/tcp/1/p2p/QmA
-
-   /ip4/10.0.0.2/tcp/2/p2p/QmB   
-   # indented comment
-""")
+    lines = [
+        "# header comment",
+        "/ip4/10.0.0.1/tcp/1/p2p/QmA",
+        "",
+        "   /ip4/10.0.0.2/tcp/2/p2p/QmB   ",
+        "   # indented comment",
+        "",
+    ]
+    (shipped / "lab.txt").write_text("\n".join(lines))
     assert bootstrap_peers("lab") == ["/ip4/10.0.0.1/tcp/1/p2p/QmA", "/ip4/10.0.0.2/tcp/2/p2p/QmB"]
     assert resolve_initial_peers([], "lab") == ["/ip4/10.0.0.1/tcp/1/p2p/QmA", "/ip4/10.0.0.2/tcp/2/p2p/QmB"]
 
@@ -77,6 +82,7 @@ def test_unknown_swarm_with_patched_package(shipped: Path) -> None:
 
 
 # ------------------------------------------------------------------ neediest_run
+
 
 def test_no_runs() -> None:
     with pytest.raises(LookupError, match="lists no runs"):

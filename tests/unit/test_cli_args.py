@@ -1,4 +1,5 @@
 """swarmpipe.cli.args / swarmpipe.peer.config / swarmpipe.cli.main: flag > env > config file > default, and the parser."""
+
 from __future__ import annotations
 
 import argparse
@@ -25,6 +26,7 @@ pytestmark = pytest.mark.unit
 @pytest.fixture(autouse=True)
 def _clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
     import os
+
     for key in list(os.environ):
         if key.startswith(ENV_PREFIX):
             monkeypatch.delenv(key)
@@ -38,15 +40,25 @@ def toml(tmp_path: Path, text: str) -> str:
 
 # field, flag value (already typed, as argparse gives it), env text, TOML literal, value the TOML gives
 CASES = [
-    ("run_id", "flag-run", "env-run", '"file-run"', "file-run"),                    # str
-    ("port", 1111, "2222", "3333", 3333),                                            # int
-    ("announce_period", 1.5, "2.5", "3.5", 3.5),                                     # float
-    ("state_download", False, "0", "false", False),                                  # bool (default True)
-    ("initial_peers", ["/ip4/1.1.1.1/tcp/1"], "/ip4/2.2.2.2/tcp/2,/ip4/2.2.2.3/tcp/3",
-     '["/ip4/3.3.3.3/tcp/3"]', ["/ip4/3.3.3.3/tcp/3"]),                             # list
+    ("run_id", "flag-run", "env-run", '"file-run"', "file-run"),  # str
+    ("port", 1111, "2222", "3333", 3333),  # int
+    ("announce_period", 1.5, "2.5", "3.5", 3.5),  # float
+    ("state_download", False, "0", "false", False),  # bool (default True)
+    (
+        "initial_peers",
+        ["/ip4/1.1.1.1/tcp/1"],
+        "/ip4/2.2.2.2/tcp/2,/ip4/2.2.2.3/tcp/3",
+        '["/ip4/3.3.3.3/tcp/3"]',
+        ["/ip4/3.3.3.3/tcp/3"],
+    ),  # list
 ]
-ENV_VALUE = {"run_id": "env-run", "port": 2222, "announce_period": 2.5, "state_download": False,
-             "initial_peers": ["/ip4/2.2.2.2/tcp/2", "/ip4/2.2.2.3/tcp/3"]}
+ENV_VALUE = {
+    "run_id": "env-run",
+    "port": 2222,
+    "announce_period": 2.5,
+    "state_download": False,
+    "initial_peers": ["/ip4/2.2.2.2/tcp/2", "/ip4/2.2.2.3/tcp/3"],
+}
 
 
 @pytest.mark.parametrize("name, flag, env_text, toml_literal, file_value", CASES, ids=[c[0] for c in CASES])
@@ -76,8 +88,9 @@ def test_bool_file_value_true_over_default_false(tmp_path: Path) -> None:
 
 
 def test_flag_false_is_not_treated_as_missing() -> None:
-    cfg = resolve(TrainerConfig, {"progress": False, "steps": 0, "data": ""}, env={"SWARMPIPE_STEPS": "9",
-                                                                                 "SWARMPIPE_DATA": "x"})
+    cfg = resolve(
+        TrainerConfig, {"progress": False, "steps": 0, "data": ""}, env={"SWARMPIPE_STEPS": "9", "SWARMPIPE_DATA": "x"}
+    )
     assert cfg.progress is False and cfg.steps == 0 and cfg.data == ""
 
 
@@ -94,12 +107,15 @@ def test_config_path_from_env(tmp_path: Path) -> None:
 
 
 def test_command_table_and_other_tables(tmp_path: Path) -> None:
-    path = toml(tmp_path, """
+    path = toml(
+        tmp_path,
+        """
 [peer]
 stage = 1
 [train]
 steps = 5
-""")
+""",
+    )
     assert resolve(PeerConfig, {"config": path}, env={}, file_section="peer").stage == 1
     assert resolve(TrainerConfig, {"config": path}, env={}, file_section="train").steps == 5
     # a command without a table reads the top level, where other commands' tables are ignored
@@ -107,7 +123,7 @@ steps = 5
 
 
 def test_top_level_ignores_tables_without_section(tmp_path: Path) -> None:
-    path = toml(tmp_path, 'threads = 3\n[peer]\nstage = 1\n')
+    path = toml(tmp_path, "threads = 3\n[peer]\nstage = 1\n")
     cfg = resolve(PeerConfig, {"config": path}, env={})
     assert cfg.threads == 3 and cfg.stage == -1
 
@@ -137,22 +153,38 @@ def test_missing_config_file_raises_oserror(tmp_path: Path) -> None:
         resolve(PeerConfig, {"config": str(tmp_path / "nope.toml")}, env={})
 
 
-@pytest.mark.parametrize("text, expected", [
-    ("a,b,c", ["a", "b", "c"]),
-    ("a b  c", ["a", "b", "c"]),
-    (" a, b ,c ,, ", ["a", "b", "c"]),
-    ("/ip4/1.2.3.4/tcp/5/p2p/Qm1\n/ip4/1.2.3.4/tcp/6/p2p/Qm2", ["/ip4/1.2.3.4/tcp/5/p2p/Qm1", "/ip4/1.2.3.4/tcp/6/p2p/Qm2"]),
-    ("", []),
-    ("single", ["single"]),
-])
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("a,b,c", ["a", "b", "c"]),
+        ("a b  c", ["a", "b", "c"]),
+        (" a, b ,c ,, ", ["a", "b", "c"]),
+        (
+            "/ip4/1.2.3.4/tcp/5/p2p/Qm1\n/ip4/1.2.3.4/tcp/6/p2p/Qm2",
+            ["/ip4/1.2.3.4/tcp/5/p2p/Qm1", "/ip4/1.2.3.4/tcp/6/p2p/Qm2"],
+        ),
+        ("", []),
+        ("single", ["single"]),
+    ],
+)
 def test_env_list_parsing(text: str, expected: list[str]) -> None:
     assert resolve(CommonConfig, {}, env={"SWARMPIPE_INITIAL_PEERS": text}).initial_peers == expected
 
 
-@pytest.mark.parametrize("text, expected", [
-    ("1", True), ("true", True), ("YES", True), (" on ", True),
-    ("0", False), ("false", False), ("No", False), ("off", False), ("", False),
-])
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("1", True),
+        ("true", True),
+        ("YES", True),
+        (" on ", True),
+        ("0", False),
+        ("false", False),
+        ("No", False),
+        ("off", False),
+        ("", False),
+    ],
+)
 def test_env_bool_parsing(text: str, expected: bool) -> None:
     assert resolve(TrainerConfig, {}, env={"SWARMPIPE_PROGRESS": text}).progress is expected
 
@@ -177,8 +209,9 @@ def test_bad_int_env_raises() -> None:
 
 
 def test_env_numbers() -> None:
-    cfg = resolve(PeerConfig, {}, env={"SWARMPIPE_STAGE": "2", "SWARMPIPE_DRAIN_TIMEOUT": "1e-1",
-                                       "SWARMPIPE_THREADS": " 3 "})
+    cfg = resolve(
+        PeerConfig, {}, env={"SWARMPIPE_STAGE": "2", "SWARMPIPE_DRAIN_TIMEOUT": "1e-1", "SWARMPIPE_THREADS": " 3 "}
+    )
     assert cfg.stage == 2 and cfg.drain_timeout == 0.1 and cfg.threads == 3
 
 
@@ -208,6 +241,7 @@ def test_every_field_has_help() -> None:
 
 
 # ------------------------------------------------------------------ the parser
+
 
 def test_parse_peer_flags() -> None:
     args = cli.build_parser().parse_args(["peer", "--stage", "1", "--port", "0"])

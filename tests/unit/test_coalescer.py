@@ -1,4 +1,5 @@
 """swarmpipe.peer.stage.coalescer: requests queued behind a busy compute thread run as one batch; a lone one runs at once."""
+
 from __future__ import annotations
 
 import asyncio
@@ -19,7 +20,9 @@ class Recorder:
 
     def __call__(self, items: list) -> list:
         self.batches.append(list(items))
-        return [ValueError(f"bad {x}") if isinstance(x, str) and x.startswith("bad") else (x, len(items)) for x in items]
+        return [
+            ValueError(f"bad {x}") if isinstance(x, str) and x.startswith("bad") else (x, len(items)) for x in items
+        ]
 
 
 def block(executor: ThreadPoolExecutor) -> threading.Event:
@@ -41,6 +44,7 @@ def test_lone_request_runs_alone_and_at_once() -> None:
             started = time.monotonic()
             assert await c.submit(7) == (7, 1)
             return time.monotonic() - started, rec, c
+
     elapsed, rec, c = run(main())
     assert rec.batches == [[7]] and c.stats.sizes == {1: 1}
     assert elapsed < 1.0
@@ -57,6 +61,7 @@ def test_requests_queued_behind_a_busy_thread_form_one_batch() -> None:
             assert c.pending() == 5
             release.set()
             return await asyncio.gather(*tasks), rec, c
+
     results, rec, c = run(main())
     assert results == [(i, 5) for i in range(5)]
     assert rec.batches == [[0, 1, 2, 3, 4]] and c.stats.mean_batch == 5
@@ -73,6 +78,7 @@ def test_batches_are_bounded_and_keyed() -> None:
             release.set()
             await asyncio.gather(*tasks)
             return rec
+
     rec = run(main())
     assert all(len(b) <= 2 for b in rec.batches)
     assert all(len({x % 2 for x in b}) == 1 for b in rec.batches)  # never mixes keys
@@ -89,6 +95,7 @@ def test_one_bad_request_fails_alone() -> None:
             await asyncio.sleep(0.05)
             release.set()
             return await asyncio.gather(*tasks, return_exceptions=True)
+
     ok1, bad, ok3 = run(main())
     assert ok1 == (1, 3) and ok3 == (3, 3)
     assert isinstance(bad, ValueError) and "bad" in str(bad)
@@ -102,6 +109,7 @@ def test_a_failing_batch_function_fails_every_request_in_it() -> None:
         with ThreadPoolExecutor(1) as ex:
             c = Coalescer(ex.submit, broken, max_items=4)
             return await asyncio.gather(c.submit(1), c.submit(2), return_exceptions=True)
+
     results = run(main())
     assert all(isinstance(r, RuntimeError) and "boom" in str(r) for r in results)
 
@@ -111,6 +119,7 @@ def test_wrong_number_of_results_is_an_error_not_a_hang() -> None:
         with ThreadPoolExecutor(1) as ex:
             c = Coalescer(ex.submit, lambda items: [], max_items=4)
             return await asyncio.gather(c.submit(1), return_exceptions=True)
+
     (result,) = run(main())
     assert isinstance(result, RuntimeError) and "0 results for 1" in str(result)
 
@@ -128,6 +137,7 @@ def test_a_cancelled_request_is_skipped() -> None:
             await asyncio.sleep(0.01)
             release.set()
             return await kept, rec
+
     result, rec = run(main())
     assert result == (2, 1) and rec.batches == [[2]]
 
@@ -145,6 +155,7 @@ def test_a_wait_gathers_requests_that_arrive_close_together() -> None:
             started = time.monotonic()
             await asyncio.gather(*full)
             return rec, time.monotonic() - started
+
     rec, full_elapsed = run(main())
     assert rec.batches[0] == [1, 2]
     assert rec.batches[1] == [3, 4, 5] and full_elapsed < 0.2
@@ -163,6 +174,7 @@ def test_requests_fail_cleanly_once_the_compute_thread_is_shut_down() -> None:
         with pytest.raises(RuntimeError, match="shutdown"):
             await asyncio.wait_for(c.submit(1), 5)
         assert c.pending() == 0
+
     run(main())
 
 
@@ -174,4 +186,5 @@ def test_a_failing_batch_hook_does_not_strand_the_callers() -> None:
         with ThreadPoolExecutor(1) as ex:
             c = Coalescer(ex.submit, Recorder(), max_items=4, on_batch=hook)
             assert await asyncio.wait_for(c.submit(7), 5) == (7, 1)
+
     run(main())

@@ -1,4 +1,5 @@
 """swarmpipe.peer.transport.codec_policy: codec choice follows measured bandwidth; error feedback removes the bias of 8-bit gradients."""
+
 from __future__ import annotations
 
 import pytest

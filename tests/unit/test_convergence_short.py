@@ -1,12 +1,13 @@
 """A short real training run: large gradient delays slow naive asynchronous AdamW down."""
+
 from __future__ import annotations
 
 import pytest
 import torch
 
-from swarmpipe.peer.trainer.data import BatchSampler, CorpusSplit, load_corpus
 from swarmpipe.peer.optim.delay_simulator import simulate
 from swarmpipe.peer.spec import ModelSpec, OptimizerSpec, RunSpec
+from swarmpipe.peer.trainer.data import BatchSampler, CorpusSplit, load_corpus
 
 pytestmark = pytest.mark.unit
 torch.set_num_threads(1)
@@ -14,8 +15,11 @@ torch.set_num_threads(1)
 
 def _run(delays: list[int]) -> tuple[float, float]:
     split = CorpusSplit.from_bytes(load_corpus(max_bytes=1 << 20))
-    spec = RunSpec(num_stages=4, model=ModelSpec(d_model=32, n_layers=4, n_heads=2, seq_len=32),
-                   optimizer=OptimizerSpec(kind="adamw", lr=1e-2, warmup_steps=5))
+    spec = RunSpec(
+        num_stages=4,
+        model=ModelSpec(d_model=32, n_layers=4, n_heads=2, seq_len=32),
+        optimizer=OptimizerSpec(kind="adamw", lr=1e-2, warmup_steps=5),
+    )
     train = BatchSampler(split.train, 16, 32, seed=0)  # same data order for every run
     evals = BatchSampler(split.valid, 16, 32, seed=123).fixed_batches(4)
     result = simulate(spec, 60, train.next, delays=delays, eval_batches=evals)

@@ -1,4 +1,5 @@
 """The delay simulator: each stage really computes on the version from tau_k updates before."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -16,14 +17,19 @@ torch.set_num_threads(1)
 
 
 def _spec(stages: int = 4, kind: str = "adamw", warmup: int = 2) -> RunSpec:
-    return RunSpec(num_stages=stages, model=ModelSpec(d_model=16, n_layers=stages, n_heads=2, seq_len=8),
-                   optimizer=OptimizerSpec(kind=kind, lr=1e-2, warmup_steps=warmup))
+    return RunSpec(
+        num_stages=stages,
+        model=ModelSpec(d_model=16, n_layers=stages, n_heads=2, seq_len=8),
+        optimizer=OptimizerSpec(kind=kind, lr=1e-2, warmup_steps=warmup),
+    )
 
 
 def _batches(count: int, batch: int = 2, seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
     gen = torch.Generator().manual_seed(seed)
-    return [(torch.randint(0, 256, (batch, 8), generator=gen), torch.randint(0, 256, (batch, 8), generator=gen))
-            for _ in range(count)]
+    return [
+        (torch.randint(0, 256, (batch, 8), generator=gen), torch.randint(0, 256, (batch, 8), generator=gen))
+        for _ in range(count)
+    ]
 
 
 def _live(sim: DelaySimulator) -> list[dict[str, torch.Tensor]]:
@@ -37,8 +43,13 @@ def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
 @pytest.mark.parametrize("delays", [None, [2, 0, 3, 1]])
 def test_stash_uses_version_from_tau_updates_before(delays: list[int] | None) -> None:
     events: list[StageEvent] = []
-    sim = DelaySimulator(_spec(), delays=delays, observer=lambda e: events.append(
-        dataclasses.replace(e, forward_params={n: t.detach().clone() for n, t in e.forward_params.items()})))
+    sim = DelaySimulator(
+        _spec(),
+        delays=delays,
+        observer=lambda e: events.append(
+            dataclasses.replace(e, forward_params={n: t.detach().clone() for n, t in e.forward_params.items()})
+        ),
+    )
     taus = delays or one_f_one_b_delays(4)
     assert taus == (delays or [3, 2, 1, 0])
     history = [_live(sim)]  # history[u]: live weights after u updates
@@ -56,9 +67,17 @@ def test_stash_uses_version_from_tau_updates_before(delays: list[int] | None) ->
 
 def test_nostash_forward_stale_backward_live() -> None:
     events: list[StageEvent] = []
-    sim = DelaySimulator(_spec(), mode="nostash", observer=lambda e: events.append(dataclasses.replace(
-        e, forward_params={n: t.detach().clone() for n, t in e.forward_params.items()},
-        backward_params={n: t.detach().clone() for n, t in e.backward_params.items()})))
+    sim = DelaySimulator(
+        _spec(),
+        mode="nostash",
+        observer=lambda e: events.append(
+            dataclasses.replace(
+                e,
+                forward_params={n: t.detach().clone() for n, t in e.forward_params.items()},
+                backward_params={n: t.detach().clone() for n, t in e.backward_params.items()},
+            )
+        ),
+    )
     history = [_live(sim)]
     for x, y in _batches(6):
         sim.train_micro(x, y)
@@ -107,7 +126,7 @@ def test_gpipe_accumulates_four_microbatches_per_update() -> None:
     # Same samples as two synchronous updates on batches of 8 (mean of equal-size means).
     sync = DelaySimulator(_spec(warmup=1), delays=[0, 0, 0, 0])
     for i in range(0, 8, 4):
-        chunk = batches[i:i + 4]
+        chunk = batches[i : i + 4]
         sync.train_micro(torch.cat([c[0] for c in chunk]), torch.cat([c[1] for c in chunk]))
     for a, b in zip(gpipe.stages, sync.stages):
         for pa, pb in zip(a.parameters(), b.parameters()):

@@ -1,5 +1,6 @@
 """Imports point down (docs/ARCHITECTURE.md): cli -> coordinator -> peer roles -> model/optim/swarm ->
 transport -> protos. A module that imports upwards, or one role that imports another, fails here."""
+
 from __future__ import annotations
 
 import ast
@@ -39,8 +40,12 @@ def layer_of(module: str) -> str | None:
 
 def modules() -> dict[str, Path]:
     found = {}
-    for folder, name in (("swarmpipe", "swarmpipe"), ("peer", "swarmpipe.peer"), ("coordinator", "swarmpipe.coordinator"),
-                         ("protos", "swarmpipe.protos")):
+    for folder, name in (
+        ("swarmpipe", "swarmpipe"),
+        ("peer", "swarmpipe.peer"),
+        ("coordinator", "swarmpipe.coordinator"),
+        ("protos", "swarmpipe.protos"),
+    ):
         for path in (ROOT / folder).rglob("*.py"):
             rel = path.relative_to(ROOT / folder).with_suffix("")
             parts = [p for p in rel.parts if p != "__init__"]
@@ -72,6 +77,10 @@ def test_imports_point_down():
 
 
 def test_nothing_imports_the_old_top_level_names():
-    wrong = [f"{module} imports {name}" for module, path in modules().items() for name in imports_of(path)
-             if name.split(".")[0] in ("peer", "coordinator", "protos")]
+    wrong = [
+        f"{module} imports {name}"
+        for module, path in modules().items()
+        for name in imports_of(path)
+        if name.split(".")[0] in ("peer", "coordinator", "protos")
+    ]
     assert not wrong, "\n".join(wrong)

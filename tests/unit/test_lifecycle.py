@@ -1,4 +1,5 @@
 """The peer lifecycle: one enum, one owner, only the transitions the diagram has."""
+
 from __future__ import annotations
 
 import pytest
@@ -37,7 +38,8 @@ def test_transitions_outside_the_diagram_are_refused():
 
 
 def test_record_state_is_the_enum_and_travels_as_its_string():
-    record = StageRecord(address="10.0.0.1:7000", state=PeerState.DRAINING, throughput=1.0, queue=0, version=3,
-                         updated_at=0.0)
+    record = StageRecord(
+        address="10.0.0.1:7000", state=PeerState.DRAINING, throughput=1.0, queue=0, version=3, updated_at=0.0
+    )
     assert record.model_dump()["state"] == "draining" and type(record.model_dump()["state"]) is str
     assert StageRecord.model_validate(record.model_dump()).state is PeerState.DRAINING

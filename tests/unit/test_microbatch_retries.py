@@ -1,5 +1,6 @@
 """swarmpipe.peer.trainer.microbatch: what the runner does with each kind of failed call, and the outcome it
 returns per micro-batch (no sockets: fake calls)."""
+
 from __future__ import annotations
 
 import json
@@ -39,25 +40,29 @@ class FakeStages:
         return [{p: record(10 * s + i) for i, p in enumerate(self.stages[s])} for s in range(num_stages)]
 
 
-def make_runner(replicas: list[str], stage1: list[str] | None = None, wait_timeout: float = 2.0,
-                events: EventLog | None = None) -> MicrobatchRunner:
+def make_runner(
+    replicas: list[str], stage1: list[str] | None = None, wait_timeout: float = 2.0, events: EventLog | None = None
+) -> MicrobatchRunner:
     """A two-stage runner; ``replicas`` serve stage 0, ``stage1`` stage 1. The DHT says the same thing."""
     stages = [replicas, stage1 or []]
     router = Router(2)
     for s, peers in enumerate(stages):
         router.update_stage(s, {p: record(10 * s + i) for i, p in enumerate(peers)})
     view = SwarmView(FakeStages(stages), router)
-    return MicrobatchRunner(RunSpec(), view, events or EventLog("", "trainer", "test-trainer"),
-                            call_timeout=5.0, wait_timeout=wait_timeout)
+    return MicrobatchRunner(
+        RunSpec(), view, events or EventLog("", "trainer", "test-trainer"), call_timeout=5.0, wait_timeout=wait_timeout
+    )
 
 
 def failing_on(bad: str, code: grpc.StatusCode, details: str, called: list[str]):
     """A fake call: records each replica it goes to; ``bad`` fails with ``code``, the others answer "ok"."""
+
     async def call(view):
         called.append(view.peer_id)
         if bad in ("*", view.peer_id):
             raise rpc_error(code, details)
         return "ok"
+
     return call
 
 
@@ -68,6 +73,7 @@ def prefer(runner: MicrobatchRunner, first: str, then: str) -> None:
 
 
 # ------------------------------------------------------------ one call, with retries
+
 
 async def test_a_replica_that_moved_is_dropped_and_the_call_goes_to_another() -> None:
     runner = make_runner(["mover", "stayer"])
@@ -122,12 +128,18 @@ async def test_a_first_attempt_that_succeeds_is_no_retry() -> None:
 
 # ------------------------------------------------------------ a whole micro-batch: its outcome
 
+
 class FakeStageCalls:
     """Stands in for the runner's three calls. ``fail``: (method, peer id) -> error for a call that
     must fail; ``stale``: the stages whose update reports "not applied" (gradient too old)."""
 
-    def __init__(self, runner: MicrobatchRunner, loss: float = 2.5, stale: tuple[int, ...] = (),
-                 fail: dict[tuple[str, str], Exception] | None = None):
+    def __init__(
+        self,
+        runner: MicrobatchRunner,
+        loss: float = 2.5,
+        stale: tuple[int, ...] = (),
+        fail: dict[tuple[str, str], Exception] | None = None,
+    ):
         self.loss, self.stale, self.fail = loss, stale, fail or {}
         self.calls: list[tuple[str, str]] = []
         runner._forward = self.forward
@@ -148,8 +160,9 @@ class FakeStageCalls:
         self._enter("ForwardBackward", view)
         return self.loss, torch.zeros(1), stage in self.stale
 
-    async def backward(self, view: PeerView, stage: int, mb_id: str, grad: torch.Tensor,
-                       replay_input: torch.Tensor | None):
+    async def backward(
+        self, view: PeerView, stage: int, mb_id: str, grad: torch.Tensor, replay_input: torch.Tensor | None
+    ):
         self._enter("Replay" if replay_input is not None else "Backward", view)
         return (torch.zeros(1) if stage > 0 else None), stage in self.stale
 
@@ -207,5 +220,10 @@ async def test_retries_and_replays_both_count_in_the_outcome() -> None:
     outcome = await runner.run("mb-5", TOKENS, TOKENS)
     assert outcome.status is MicrobatchStatus.COMPLETED
     assert outcome.retries == 2  # one ForwardBackward retried on s1b, one Backward replayed on s0b
-    assert calls.calls == [("Forward", "s0a"), ("ForwardBackward", "s1a"), ("ForwardBackward", "s1b"),
-                           ("Backward", "s0a"), ("Replay", "s0b")]
+    assert calls.calls == [
+        ("Forward", "s0a"),
+        ("ForwardBackward", "s1a"),
+        ("ForwardBackward", "s1b"),
+        ("Backward", "s0a"),
+        ("Replay", "s0b"),
+    ]

@@ -1,4 +1,5 @@
 """swarmpipe.peer.model.bytegpt: the pipeline split computes exactly what the whole model computes."""
+
 from __future__ import annotations
 
 import zlib

@@ -1,4 +1,5 @@
 """BasisRotationAdam: hand-computed first step, orthogonal bases, AdamW equivalence, state round trip."""
+
 from __future__ import annotations
 
 import copy
@@ -81,8 +82,9 @@ def test_identity_basis_is_adamw() -> None:
     ours = [torch.nn.Parameter(t.clone()) for t in init]
     ref = [torch.nn.Parameter(t.clone()) for t in init]
     kw = dict(lr=0.01, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.1)
-    opt = BasisRotationAdam([{"params": [ours[0]], "rotate": True}, {"params": [ours[1]]}],
-                            init_basis="identity", rotation_every=0, **kw)
+    opt = BasisRotationAdam(
+        [{"params": [ours[0]], "rotate": True}, {"params": [ours[1]]}], init_basis="identity", rotation_every=0, **kw
+    )
     ref_opt = torch.optim.AdamW(ref, **kw)
     for _ in range(5):
         grads = [torch.randn_like(t) for t in init]
@@ -100,7 +102,12 @@ def test_build_rotates_attention_and_mlp_matrices_only() -> None:
     opt = build_optimizer(stage.named_parameters(), OptimizerSpec(kind="basis_rotation"), 0, 1)
     rotated = {id(p) for p in opt.param_groups[0]["params"]}
     names = sorted(n for n, p in stage.named_parameters() if id(p) in rotated)
-    assert names == ["blocks.0.attn.proj.weight", "blocks.0.attn.qkv.weight", "blocks.0.fc.weight", "blocks.0.fc_out.weight"]
+    assert names == [
+        "blocks.0.attn.proj.weight",
+        "blocks.0.attn.qkv.weight",
+        "blocks.0.fc.weight",
+        "blocks.0.fc_out.weight",
+    ]
     assert opt.param_groups[0]["rotate"] and not opt.param_groups[1]["rotate"]
     assert opt.param_groups[0]["rotation_every"] == 10
     assert not is_rotated_param("head.weight", stage.head.weight)
@@ -119,8 +126,9 @@ def test_state_round_trip_continues_identically() -> None:
     spec = RunSpec(num_stages=1, model=ModelSpec(d_model=16, n_layers=1, n_heads=2, seq_len=8))
     opt_spec = OptimizerSpec(kind="basis_rotation", rotation_every=2, warmup_steps=2)
     gen = torch.Generator().manual_seed(3)
-    batches = [(torch.randint(0, 256, (2, 8), generator=gen), torch.randint(0, 256, (2, 8), generator=gen))
-               for _ in range(8)]
+    batches = [
+        (torch.randint(0, 256, (2, 8), generator=gen), torch.randint(0, 256, (2, 8), generator=gen)) for _ in range(8)
+    ]
     stage = PipelineStage(spec, 0)
     opt = build_optimizer(stage.named_parameters(), opt_spec, 0, 1)
     _train(stage, opt, opt_spec, batches[:3], 0)

@@ -1,4 +1,5 @@
 """PipelineNesterov: hand-computed steps, NAdam equivalence, no-stash corrections, state round trip."""
+
 from __future__ import annotations
 
 import copy
@@ -82,6 +83,7 @@ def test_nostash_learning_rate_correction() -> None:
     lr = set_learning_rate(opt, spec, 50, 0, 4)
     assert opt.param_groups[0]["lr"] == lr
     from swarmpipe.peer.optim import scheduled_lr
+
     assert lr == pytest.approx(scheduled_lr(spec, 50) * 3**-0.5)
     # Stashing peers and other kinds get no correction; total_steps 0 falls back to a fixed horizon.
     assert stage_lr_factor(OptimizerSpec(kind="nesterov"), 0, 0, 4) == 1.0
@@ -103,8 +105,9 @@ def test_state_round_trip_continues_identically(stash: bool) -> None:
     spec = RunSpec(num_stages=1, model=ModelSpec(d_model=16, n_layers=1, n_heads=2, seq_len=8))
     opt_spec = OptimizerSpec(kind="nesterov", warmup_steps=2, stash=stash)
     gen = torch.Generator().manual_seed(1)
-    batches = [(torch.randint(0, 256, (2, 8), generator=gen), torch.randint(0, 256, (2, 8), generator=gen))
-               for _ in range(6)]
+    batches = [
+        (torch.randint(0, 256, (2, 8), generator=gen), torch.randint(0, 256, (2, 8), generator=gen)) for _ in range(6)
+    ]
     stage = PipelineStage(spec, 0)
     opt = build_optimizer(stage.named_parameters(), opt_spec, 0, 1)
     _train(stage, opt, opt_spec, batches[:3], 0)

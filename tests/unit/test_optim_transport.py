@@ -1,4 +1,5 @@
 """Optimizer state survives the trip to a new replica: tensors apart, everything else through JSON."""
+
 from __future__ import annotations
 
 import copy
@@ -39,12 +40,15 @@ def _join(tensors: dict[str, torch.Tensor], doc: str) -> dict:
     return {"state": entries, "param_groups": meta["param_groups"]}
 
 
-@pytest.mark.parametrize("kind,stash", [("adamw", True), ("nesterov", True), ("nesterov", False), ("basis_rotation", True)])
+@pytest.mark.parametrize(
+    "kind,stash", [("adamw", True), ("nesterov", True), ("nesterov", False), ("basis_rotation", True)]
+)
 def test_state_through_json_continues_identically(kind: str, stash: bool) -> None:
     opt_spec = OptimizerSpec(kind=kind, stash=stash, rotation_every=2, warmup_steps=2, total_steps=20)
     gen = torch.Generator().manual_seed(5)
-    batches = [(torch.randint(0, 256, (2, 8), generator=gen), torch.randint(0, 256, (2, 8), generator=gen))
-               for _ in range(7)]
+    batches = [
+        (torch.randint(0, 256, (2, 8), generator=gen), torch.randint(0, 256, (2, 8), generator=gen)) for _ in range(7)
+    ]
 
     def train(stage: PipelineStage, opt: torch.optim.Optimizer, part: list, start: int) -> None:
         for i, (x, y) in enumerate(part):

@@ -1,14 +1,15 @@
 """Installed, swarmpipe is one import name: every package folder is mapped under ``swarmpipe`` and the
 wheel holds no other top-level module (``peer``, ``protos`` ... would collide with other projects)."""
+
 from __future__ import annotations
 
 import subprocess
 import sys
-import tomllib
 import zipfile
 from pathlib import Path
 
 import pytest
+import tomllib
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(180)]
 ROOT = Path(__file__).resolve().parents[2]
@@ -38,14 +39,32 @@ def test_the_console_script_lives_in_the_cli():
 
 
 def test_the_wheel_has_one_top_level_module(tmp_path: Path):
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index",
-                    "-q", "-w", str(tmp_path), str(ROOT)], check=True, cwd=tmp_path)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "--no-index",
+            "-q",
+            "-w",
+            str(tmp_path),
+            str(ROOT),
+        ],
+        check=True,
+        cwd=tmp_path,
+    )
     (wheel,) = tmp_path.glob("swarmpipe-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
     top = {n.split("/", 1)[0] for n in names}
     assert {t for t in top if not t.endswith(".dist-info")} == {"swarmpipe"}, top
-    for data in ("swarmpipe/peer/swarm/bootstrap/public.txt", "swarmpipe/coordinator/dashboard/index.html",
-                 "swarmpipe/protos/swarm.proto"):
+    for data in (
+        "swarmpipe/peer/swarm/bootstrap/public.txt",
+        "swarmpipe/coordinator/dashboard/index.html",
+        "swarmpipe/protos/swarm.proto",
+    ):
         assert data in names, f"{data} missing from the wheel"
     (top_level,) = [n for n in names if n.endswith(".dist-info/top_level.txt")] or [None]
     if top_level:

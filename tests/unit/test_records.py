@@ -1,10 +1,12 @@
 """swarmpipe.peer.swarm.records: DHT records are validated on read; forged or malformed ones are dropped."""
+
 from __future__ import annotations
 
 import logging
 
 import pytest
 from hivemind.utils import ValueWithExpiration
+from pydantic import ValidationError
 
 from swarmpipe.peer.swarm.records import (
     RUNS_INDEX_KEY,
@@ -23,8 +25,14 @@ from swarmpipe.peer.swarm.records import (
 
 pytestmark = pytest.mark.unit
 
-GOOD_STAGE = {"address": "127.0.0.1:50051", "state": "online", "throughput": 12.5, "queue": 3,
-              "version": 7, "updated_at": 1700000000.0}
+GOOD_STAGE = {
+    "address": "127.0.0.1:50051",
+    "state": "online",
+    "throughput": 12.5,
+    "queue": 3,
+    "version": 7,
+    "updated_at": 1700000000.0,
+}
 
 
 def vwe(value, expiration: float = 1e10) -> ValueWithExpiration:
@@ -55,7 +63,7 @@ def test_valid_stage_record(address: str, state: str) -> None:
 def test_extra_fields_ignored_and_record_frozen() -> None:
     r = parse_record(StageRecord, {**GOOD_STAGE, "future_field": [1, 2], "metrics_address": "127.0.0.1:9100"})
     assert r is not None and not hasattr(r, "future_field") and r.metrics_address == "127.0.0.1:9100"
-    with pytest.raises(Exception):
+    with pytest.raises(ValidationError):
         r.throughput = 1e6  # type: ignore[misc]
 
 
@@ -64,36 +72,39 @@ def test_round_trip_through_model_dump() -> None:
     assert parse_record(StageRecord, r.model_dump()) == r
 
 
-@pytest.mark.parametrize("field, value", [
-    ("address", "127.0.0.1"),  # no port
-    ("address", "127.0.0.1:"),
-    ("address", "127.0.0.1:123456"),  # six-digit port
-    ("address", "http://127.0.0.1:80"),
-    ("address", "evil host:80"),
-    ("address", "a;rm -rf /:1"),
-    ("address", "x" * 300 + ":80"),
-    ("address", ""),
-    ("address", 5),
-    ("address", None),
-    ("throughput", -1.0),
-    ("throughput", 2e9),
-    ("throughput", float("nan")),
-    ("throughput", float("inf")),
-    ("throughput", "fast"),
-    ("throughput", [1.0]),
-    ("queue", -1),
-    ("queue", 10_000_000),
-    ("queue", 1.5),
-    ("queue", "many"),
-    ("version", -3),
-    ("version", {"v": 1}),
-    ("state", "ONLINE"),
-    ("state", "offline"),
-    ("state", "banned"),
-    ("state", 1),
-    ("updated_at", "yesterday"),
-    ("updated_at", None),
-])
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("address", "127.0.0.1"),  # no port
+        ("address", "127.0.0.1:"),
+        ("address", "127.0.0.1:123456"),  # six-digit port
+        ("address", "http://127.0.0.1:80"),
+        ("address", "evil host:80"),
+        ("address", "a;rm -rf /:1"),
+        ("address", "x" * 300 + ":80"),
+        ("address", ""),
+        ("address", 5),
+        ("address", None),
+        ("throughput", -1.0),
+        ("throughput", 2e9),
+        ("throughput", float("nan")),
+        ("throughput", float("inf")),
+        ("throughput", "fast"),
+        ("throughput", [1.0]),
+        ("queue", -1),
+        ("queue", 10_000_000),
+        ("queue", 1.5),
+        ("queue", "many"),
+        ("version", -3),
+        ("version", {"v": 1}),
+        ("state", "ONLINE"),
+        ("state", "offline"),
+        ("state", "banned"),
+        ("state", 1),
+        ("updated_at", "yesterday"),
+        ("updated_at", None),
+    ],
+)
 def test_malformed_stage_record_rejected(field: str, value, caplog) -> None:
     with caplog.at_level(logging.WARNING, logger="swarmpipe.records"):
         assert parse_record(StageRecord, {**GOOD_STAGE, field: value}, "peer X") is None
@@ -148,6 +159,7 @@ def test_run_index_record() -> None:
 
 # ------------------------------------------------------------------ parse_subkeyed
 
+
 def test_parse_subkeyed_keeps_valid_and_skips_forged() -> None:
     items = {
         "peerA": GOOD_STAGE,
@@ -191,10 +203,15 @@ def test_parse_subkeyed_none_and_empty() -> None:
 
 
 def test_parse_subkeyed_other_record_types() -> None:
-    runs = parse_subkeyed(RunIndexRecord, found({
-        "demo": {"run_id": "demo", "num_stages": 2, "updated_at": 1.0},
-        "bad": {"run_id": "bad", "num_stages": -1, "updated_at": 1.0},
-    }))
+    runs = parse_subkeyed(
+        RunIndexRecord,
+        found(
+            {
+                "demo": {"run_id": "demo", "num_stages": 2, "updated_at": 1.0},
+                "bad": {"run_id": "bad", "num_stages": -1, "updated_at": 1.0},
+            }
+        ),
+    )
     assert list(runs) == ["demo"] and runs["demo"].num_stages == 2
 
 
@@ -212,15 +229,18 @@ def test_stage_peers_skips_peers_of_another_wire_protocol(caplog: pytest.LogCapt
 
     from swarmpipe.peer.swarm.dht import SwarmDHT
 
-    items = {"peerA": {**GOOD_STAGE, "protocol": WIRE_PROTOCOL},
-             "old-peer": GOOD_STAGE,
-             "new-peer": {**GOOD_STAGE, "address": "10.0.0.7:9", "protocol": WIRE_PROTOCOL + 1}}
+    items = {
+        "peerA": {**GOOD_STAGE, "protocol": WIRE_PROTOCOL},
+        "old-peer": GOOD_STAGE,
+        "new-peer": {**GOOD_STAGE, "address": "10.0.0.7:9", "protocol": WIRE_PROTOCOL + 1},
+    }
     swarm = SwarmDHT.__new__(SwarmDHT)  # no DHT: only the record filtering is under test
     swarm.run_id, swarm._incompatible = "r", set()
 
     async def fake_get(key: str):
         assert key == stage_key("r", 0)
         return found(items)
+
     swarm._get = fake_get
     with caplog.at_level(logging.WARNING, logger="swarmpipe.dht"):
         for _ in range(3):

@@ -1,4 +1,5 @@
 """swarmpipe.peer.trainer.routing: replica choice by expected finish time, bans with backoff, membership."""
+
 from __future__ import annotations
 
 import random
@@ -7,7 +8,15 @@ from collections import Counter
 import pytest
 
 from swarmpipe.peer.swarm.records import StageRecord
-from swarmpipe.peer.trainer.routing import BAN_BASE_S, BAN_MAX_S, EMA_DECAY, PROBE_AFTER_S, STALE_AFTER_S, STALE_HALF_LIFE_S, Router
+from swarmpipe.peer.trainer.routing import (
+    BAN_BASE_S,
+    BAN_MAX_S,
+    EMA_DECAY,
+    PROBE_AFTER_S,
+    STALE_AFTER_S,
+    STALE_HALF_LIFE_S,
+    Router,
+)
 
 pytestmark = pytest.mark.unit
 
@@ -26,8 +35,9 @@ class NoJitter(random.Random):
 
 
 def rec(port: int, throughput: float = 0.0, queue: int = 0, state: str = "online", at: float = 0.0) -> StageRecord:
-    return StageRecord(address=f"127.0.0.1:{port}", state=state, throughput=throughput, queue=queue,
-                       version=0, updated_at=at)
+    return StageRecord(
+        address=f"127.0.0.1:{port}", state=state, throughput=throughput, queue=queue, version=0, updated_at=at
+    )
 
 
 def make_router(clock: FakeClock | None = None, num_stages: int = 2) -> Router:
@@ -122,7 +132,7 @@ def test_one_slow_call_does_not_starve_a_peer_forever() -> None:
         view = r.choose(0)
         chosen.append(view.peer_id)
         measure(r, view.peer_id, 0.02)  # both are really fast now
-    assert chosen[:int(PROBE_AFTER_S) - 1] == ["warm"] * (int(PROBE_AFTER_S) - 1)
+    assert chosen[: int(PROBE_AFTER_S) - 1] == ["warm"] * (int(PROBE_AFTER_S) - 1)
     assert "cold" in chosen  # probed once its measurement was overdue
     assert r.peers["cold"].latency_ema == pytest.approx(0.02)  # the stale 2 s was replaced, not blended
 

@@ -1,4 +1,5 @@
 """swarmpipe.peer.spec: defaults, TOML loading with overrides, validation errors, dict round trip."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -6,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from swarmpipe.peer.transport import codecs
 from swarmpipe.peer.spec import SCHEMA_VERSION, RunSpec, SpecError, load_spec, spec_from_dict
+from swarmpipe.peer.transport import codecs
 
 pytestmark = pytest.mark.unit
 
@@ -38,7 +39,9 @@ def test_explicit_layer_split() -> None:
 
 
 def test_toml_load_with_overrides(tmp_path: Path) -> None:
-    path = write(tmp_path, """
+    path = write(
+        tmp_path,
+        """
 run_id = "from-file"
 num_stages = 4
 microbatch_size = 8
@@ -55,7 +58,8 @@ stash = false
 
 [compression]
 activations = "blockwise8"
-""")
+""",
+    )
     spec = load_spec(path, run_id="override", num_stages=2, seed=None)
     assert spec.run_id == "override"
     assert spec.num_stages == 2  # override wins over the file
@@ -74,25 +78,31 @@ def test_int_field_given_as_float_in_toml_is_coerced_and_float_field_accepts_int
     assert isinstance(spec.optimizer.lr, float) and spec.optimizer.lr == 1.0
 
 
-@pytest.mark.parametrize("data, needle", [
-    ({"bogus": 1}, "unknown field(s) in spec: bogus"),
-    ({"model": {"d_modle": 64}}, "unknown field(s) in model: d_modle"),
-    ({"optimizer": {"a": 1, "b": 2}}, "optimizer: a, b"),
-])
+@pytest.mark.parametrize(
+    "data, needle",
+    [
+        ({"bogus": 1}, "unknown field(s) in spec: bogus"),
+        ({"model": {"d_modle": 64}}, "unknown field(s) in model: d_modle"),
+        ({"optimizer": {"a": 1, "b": 2}}, "optimizer: a, b"),
+    ],
+)
 def test_unknown_field(data: dict, needle: str) -> None:
     with pytest.raises(SpecError) as info:
         spec_from_dict(data)
     assert needle in str(info.value)
 
 
-@pytest.mark.parametrize("data, needle", [
-    ({"num_stages": "two"}, "num_stages must be a number"),
-    ({"num_stages": True}, "num_stages must be a number"),
-    ({"model": {"d_model": "big"}}, "model.d_model must be a number"),
-    ({"optimizer": {"lr": "fast"}}, "optimizer.lr must be a number"),
-    ({"optimizer": {"stash": 1}}, "optimizer.stash must be a boolean"),
-    ({"model": 5}, "model must be a table, got int"),
-])
+@pytest.mark.parametrize(
+    "data, needle",
+    [
+        ({"num_stages": "two"}, "num_stages must be a number"),
+        ({"num_stages": True}, "num_stages must be a number"),
+        ({"model": {"d_model": "big"}}, "model.d_model must be a number"),
+        ({"optimizer": {"lr": "fast"}}, "optimizer.lr must be a number"),
+        ({"optimizer": {"stash": 1}}, "optimizer.stash must be a boolean"),
+        ({"model": 5}, "model must be a table, got int"),
+    ],
+)
 def test_wrong_type(data: dict, needle: str) -> None:
     with pytest.raises(SpecError) as info:
         spec_from_dict(data)
@@ -109,12 +119,15 @@ def test_not_a_table_at_top_level() -> None:
         spec_from_dict([1, 2])  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize("data", [
-    {"num_stages": 2, "layer_split": [1, 1]},  # sums to 2, not 4
-    {"num_stages": 2, "layer_split": [4]},  # wrong number of stages
-    {"num_stages": 3, "layer_split": [5, -1, 0]},  # negative count
-    {"num_stages": 2, "layer_split": [2, 1, 1]},
-])
+@pytest.mark.parametrize(
+    "data",
+    [
+        {"num_stages": 2, "layer_split": [1, 1]},  # sums to 2, not 4
+        {"num_stages": 2, "layer_split": [4]},  # wrong number of stages
+        {"num_stages": 3, "layer_split": [5, -1, 0]},  # negative count
+        {"num_stages": 2, "layer_split": [2, 1, 1]},
+    ],
+)
 def test_bad_split(data: dict) -> None:
     with pytest.raises(SpecError, match="does not split 4 blocks into"):
         spec_from_dict(data)
@@ -214,6 +227,7 @@ def test_round_trip_through_msgpack_turns_tuples_into_lists() -> None:
 # --- wrong types in list / tuple / string fields -------------------------------------------
 # _build converts these with int()/float()/str() without checking, so a malformed spec (from a
 # TOML file or from the DHT) escapes as TypeError / plain ValueError or is silently accepted.
+
 
 @pytest.mark.parametrize("data", [{"layer_split": 5}, {"optimizer": {"betas": 0.9}}])
 def test_non_list_for_list_field_raises_spec_error(data: dict) -> None:

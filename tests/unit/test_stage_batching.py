@@ -1,12 +1,13 @@
 """swarmpipe.peer.stage.runtime batched calls: one forward / backward / forward+backward over several micro-batches
 gives exactly what separate calls give (input gradients, losses, and the update of accumulated gradients)."""
+
 from __future__ import annotations
 
 import pytest
 import torch
+from test_stage_runtime import data, make_spec, runtime
 
 from swarmpipe.peer.stage.runtime import StageRuntime, UnknownMicrobatch
-from test_stage_runtime import data, make_spec, runtime
 
 pytestmark = pytest.mark.unit
 LR = 1e-2

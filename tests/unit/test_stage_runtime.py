@@ -1,4 +1,5 @@
 """swarmpipe.peer.stage.runtime: exact pipeline gradients, weight stashing, staleness, bookkeeping."""
+
 from __future__ import annotations
 
 import copy
@@ -17,10 +18,18 @@ pytestmark = pytest.mark.unit
 B = 2
 
 
-def make_spec(num_stages: int = 2, lr: float = 0.0, step_every: int = 1, max_staleness: int = 32,
-              ttl: float = 120.0, kind: str = "adamw") -> RunSpec:
+def make_spec(
+    num_stages: int = 2,
+    lr: float = 0.0,
+    step_every: int = 1,
+    max_staleness: int = 32,
+    ttl: float = 120.0,
+    kind: str = "adamw",
+) -> RunSpec:
     return RunSpec(
-        num_stages=num_stages, seed=1, microbatch_size=B,
+        num_stages=num_stages,
+        seed=1,
+        microbatch_size=B,
         model=ModelSpec(vocab_size=64, d_model=32, n_layers=4, n_heads=2, seq_len=16, mlp_ratio=2),
         optimizer=OptimizerSpec(kind=kind, lr=lr, warmup_steps=0, clip_norm=0.0, weight_decay=0.0),
         update=UpdateSpec(step_every=step_every, max_staleness=max_staleness, pending_ttl_s=ttl),
@@ -84,6 +93,7 @@ def weights(module: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 # ------------------------------------------------------------------ exactness of the 2-stage pipeline
 
+
 def test_two_stage_pipeline_matches_whole_model() -> None:
     spec = make_spec(2, lr=0.0)
     s0, s1 = runtime(spec, 0), runtime(spec, 1)
@@ -138,6 +148,7 @@ def test_last_stage_forward_then_backward_matches_forward_backward() -> None:
 
 
 # ------------------------------------------------------------------ weight stashing
+
 
 @pytest.mark.parametrize("stage, updates", [(0, 1), (0, 3), (1, 2)])
 def test_weight_stashing_gradient_at_forward_version(stage: int, updates: int) -> None:
@@ -252,6 +263,7 @@ def test_retried_forward_replaces_record() -> None:
 
 # ------------------------------------------------------------------ housekeeping
 
+
 def test_expire_by_ttl() -> None:
     spec = make_spec(2, ttl=10.0)
     rt = runtime(spec, 1)
@@ -280,7 +292,7 @@ def test_expire_by_version() -> None:
 
 def test_averaging_in_a_newer_replica_does_not_make_held_forwards_stale() -> None:
     """A version jump from averaging is not local updates: the delay clock is this runtime's own steps."""
-    
+
     spec = make_spec(2, lr=1e-3, max_staleness=2)
     rt, ahead = runtime(spec, 1), runtime(spec, 1)
     ahead.version = 500  # a replica that has been training much longer
@@ -444,8 +456,11 @@ def test_without_stashing_the_backward_differentiates_the_live_weights():
 
     from swarmpipe.peer.spec import load_spec
 
-    spec = load_spec(num_stages=2, model={"d_model": 32, "n_layers": 2, "n_heads": 2, "seq_len": 16},
-                     optimizer={"kind": "adamw", "warmup_steps": 0, "stash": False, "clip_norm": 0.0})
+    spec = load_spec(
+        num_stages=2,
+        model={"d_model": 32, "n_layers": 2, "n_heads": 2, "seq_len": 16},
+        optimizer={"kind": "adamw", "warmup_steps": 0, "stash": False, "clip_norm": 0.0},
+    )
     rt = StageRuntime(spec, 0)
     gen = torch.Generator().manual_seed(0)
     x_old, x_new = (torch.randint(0, 256, (2, 16), generator=gen) for _ in range(2))
@@ -456,11 +471,13 @@ def test_without_stashing_the_backward_differentiates_the_live_weights():
     assert rt.version == 1
     live = {n: p.detach().clone().requires_grad_(True) for n, p in rt.module.named_parameters()}
     grad_out = torch.randn(out_old.shape, generator=gen)
-    expected = torch.autograd.grad(functional_call(rt.module, live, (x_old,)), list(live.values()), grad_out,
-                                   allow_unused=True)
+    expected = torch.autograd.grad(
+        functional_call(rt.module, live, (x_old,)), list(live.values()), grad_out, allow_unused=True
+    )
     captured = {}
-    rt.optimizer.step = lambda: captured.update({n: p.grad.clone() for n, p in rt.module.named_parameters()
-                                                 if p.grad is not None})
+    rt.optimizer.step = lambda: captured.update(
+        {n: p.grad.clone() for n, p in rt.module.named_parameters() if p.grad is not None}
+    )
     result = rt.backward("old", grad_out)
     assert result.applied and result.delay == 1
     for (name, _), g in zip(live.items(), expected):

@@ -1,4 +1,5 @@
 """A stage's state: export/import round trips, chunked streams (also cut off), checkpoint folders."""
+
 from __future__ import annotations
 
 import json
@@ -10,9 +11,9 @@ from swarmpipe.coordinator.checkpoints import CheckpointStore
 from swarmpipe.peer.spec import load_spec
 from swarmpipe.peer.stage.runtime import StageRuntime
 from swarmpipe.peer.stage.state import (
+    MixedState,
     StageState,
     StateError,
-    MixedState,
     assemble,
     from_chunks,
     to_chunks,
@@ -22,13 +23,18 @@ pytestmark = pytest.mark.unit
 
 
 def _trained_runtime(kind: str = "adamw", stage: int = 1, steps: int = 3) -> StageRuntime:
-    spec = load_spec(num_stages=2, model={"d_model": 32, "n_layers": 2, "n_heads": 2, "seq_len": 16},
-                     optimizer={"kind": kind, "warmup_steps": 0})
+    spec = load_spec(
+        num_stages=2,
+        model={"d_model": 32, "n_layers": 2, "n_heads": 2, "seq_len": 16},
+        optimizer={"kind": kind, "warmup_steps": 0},
+    )
     runtime = StageRuntime(spec, stage)
     gen = torch.Generator().manual_seed(0)
     for i in range(steps):
         if runtime.is_last:
-            runtime.forward_backward(torch.randn(2, 16, 32, generator=gen), torch.randint(0, 256, (2, 16), generator=gen))
+            runtime.forward_backward(
+                torch.randn(2, 16, 32, generator=gen), torch.randint(0, 256, (2, 16), generator=gen)
+            )
         else:
             out = runtime.forward(f"mb{i}", torch.randint(0, 256, (2, 16), generator=gen))
             runtime.backward(f"mb{i}", torch.randn(out.shape, generator=gen))

@@ -1,4 +1,5 @@
 """swarmpipe.peer.transport.streaming: framed round trips for every method and codec; cut-off, overrun, lying and oversized streams fail cleanly."""
+
 from __future__ import annotations
 
 import asyncio
@@ -6,8 +7,8 @@ import asyncio
 import pytest
 import torch
 
-from swarmpipe.peer.transport.streaming import METHODS, data_frame_bytes, frames, reassemble
 from swarmpipe.peer.transport.codecs import REGISTRY
+from swarmpipe.peer.transport.streaming import METHODS, data_frame_bytes, frames, reassemble
 from swarmpipe.peer.transport.wire import WireError, decode, encode, raw_view
 from swarmpipe.protos import swarm_pb2
 
@@ -54,15 +55,28 @@ def test_payloads_go_zero_copy_and_match_protobuf_path() -> None:
 def test_backward_with_two_tensors_and_an_empty_one() -> None:
     g = torch.randn(2, 4, 8)
     x = torch.randn(2, 4, 8)
-    msg = swarm_pb2.BackwardRequest(run_id="r", stage=1, microbatch_id="m", grad_output=encode(g, "blockwise8"),
-                                    input=encode(x, "bf16"), replay=True)
-    _, got = run(reassemble(_aiter(_parse(list(frames(msg, METHODS["Backward"][2], method="Backward", chunk_bytes=100)))),
-                            max_total_bytes=1 << 20))
+    msg = swarm_pb2.BackwardRequest(
+        run_id="r",
+        stage=1,
+        microbatch_id="m",
+        grad_output=encode(g, "blockwise8"),
+        input=encode(x, "bf16"),
+        replay=True,
+    )
+    _, got = run(
+        reassemble(
+            _aiter(_parse(list(frames(msg, METHODS["Backward"][2], method="Backward", chunk_bytes=100)))),
+            max_total_bytes=1 << 20,
+        )
+    )
     assert got.replay and torch.equal(decode(got.grad_output), decode(msg.grad_output))
     assert torch.equal(decode(got.input), decode(msg.input))
     plain = swarm_pb2.BackwardRequest(run_id="r", stage=1, microbatch_id="m", grad_output=encode(g))
-    _, got = run(reassemble(_aiter(_parse(list(frames(plain, METHODS["Backward"][2], method="Backward")))),
-                            max_total_bytes=1 << 20))
+    _, got = run(
+        reassemble(
+            _aiter(_parse(list(frames(plain, METHODS["Backward"][2], method="Backward")))), max_total_bytes=1 << 20
+        )
+    )
     assert not got.input.data and not got.input.dtype  # is_empty() holds
 
 
@@ -103,12 +117,15 @@ def test_total_over_cap_rejected_before_allocating() -> None:
         run(reassemble(_aiter([first]), max_total_bytes=1 << 30))
 
 
-@pytest.mark.parametrize("first,match", [
-    (swarm_pb2.Frame(method="Nope"), "unknown method 'Nope'"),
-    (swarm_pb2.Frame(method="Forward", data_bytes=[1, 2]), "2 tensor sizes given, Forward has 1"),
-    (swarm_pb2.Frame(method="Forward", data_bytes=[-1]), "negative tensor size"),
-    (swarm_pb2.Frame(method="Forward", header=b"\xff\xff\xff", data_bytes=[0]), "malformed header"),
-])
+@pytest.mark.parametrize(
+    "first,match",
+    [
+        (swarm_pb2.Frame(method="Nope"), "unknown method 'Nope'"),
+        (swarm_pb2.Frame(method="Forward", data_bytes=[1, 2]), "2 tensor sizes given, Forward has 1"),
+        (swarm_pb2.Frame(method="Forward", data_bytes=[-1]), "negative tensor size"),
+        (swarm_pb2.Frame(method="Forward", header=b"\xff\xff\xff", data_bytes=[0]), "malformed header"),
+    ],
+)
 def test_lying_first_frame_rejected(first: swarm_pb2.Frame, match: str) -> None:
     with pytest.raises(WireError, match=match):
         run(reassemble(_aiter([first]), max_total_bytes=1 << 30))
@@ -161,7 +178,9 @@ def test_a_tensor_within_one_chunk_travels_in_the_first_frame_and_is_not_copied(
     raw = list(frames(msg, METHODS["Forward"][2], method="Forward", chunk_bytes=1 << 20))
     assert len(raw) == 1  # one gRPC message: one round through each event loop, not two
     parsed = swarm_pb2.Frame.FromString(raw[0])  # still a valid Frame to any protobuf reader
-    assert parsed.method == "Forward" and list(parsed.data_bytes) == [x.numel() * 4] and len(parsed.data) == x.numel() * 4
+    assert (
+        parsed.method == "Forward" and list(parsed.data_bytes) == [x.numel() * 4] and len(parsed.data) == x.numel() * 4
+    )
     _, got = run(reassemble(_aiter(raw), max_total_bytes=1 << 30))
     assert isinstance(got.input.data, memoryview) and got.input.data.obj is raw[0]  # a view of the frame
     assert torch.equal(decode(got.input), x)

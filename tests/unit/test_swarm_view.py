@@ -1,4 +1,5 @@
 """swarmpipe.peer.trainer.swarm_view: a Router that keeps itself current from the DHT (fake DHT reads)."""
+
 from __future__ import annotations
 
 import asyncio

@@ -1,4 +1,5 @@
 """swarmpipe.peer.trainer.progress: folding micro-batch outcomes into the trainer's tally, and the report."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -10,9 +11,21 @@ from swarmpipe.peer.trainer.progress import LOSS_WINDOW, Progress
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(30)]
 
-REPORT_FIELDS = {"run_id", "steps", "microbatches_started", "microbatches_completed", "microbatches_retried",
-                 "microbatches_dropped_stale", "microbatches_lost", "microbatches_unfinished", "loss_first",
-                 "loss_last", "samples_per_s", "elapsed_s", "losses"}
+REPORT_FIELDS = {
+    "run_id",
+    "steps",
+    "microbatches_started",
+    "microbatches_completed",
+    "microbatches_retried",
+    "microbatches_dropped_stale",
+    "microbatches_lost",
+    "microbatches_unfinished",
+    "loss_first",
+    "loss_last",
+    "samples_per_s",
+    "elapsed_s",
+    "losses",
+}
 
 
 class Clock:
@@ -28,8 +41,9 @@ def completed(loss: float, retries: int = 0) -> MicrobatchOutcome:
 
 
 def stale(loss: float, retries: int = 0) -> MicrobatchOutcome:
-    return MicrobatchOutcome("mb", MicrobatchStatus.DROPPED_STALE, loss=loss, retries=retries,
-                             reason="gradient dropped as stale by stage 1")
+    return MicrobatchOutcome(
+        "mb", MicrobatchStatus.DROPPED_STALE, loss=loss, retries=retries, reason="gradient dropped as stale by stage 1"
+    )
 
 
 def failed(retries: int = 0) -> MicrobatchOutcome:

@@ -1,4 +1,5 @@
 """swarmpipe.peer.transport.wire: codec round trips with per-codec error bounds, and every validation error."""
+
 from __future__ import annotations
 
 import math
@@ -6,6 +7,7 @@ import math
 import pytest
 import torch
 
+from swarmpipe.peer.transport.codecs import REGISTRY
 from swarmpipe.peer.transport.wire import (
     BLOCK_SIZE,
     CHUNK,
@@ -16,7 +18,6 @@ from swarmpipe.peer.transport.wire import (
     encoded_size,
     is_empty,
 )
-from swarmpipe.peer.transport.codecs import REGISTRY
 from swarmpipe.protos import swarm_pb2
 
 pytestmark = pytest.mark.unit
@@ -60,14 +61,17 @@ def tolerance(codec: str, x: torch.Tensor) -> torch.Tensor:
 
 # ------------------------------------------------------------------ round trips
 
+
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=str)
 @pytest.mark.parametrize("codec", CODECS)
 def test_float_round_trip_within_bounds(codec: str, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
     x = sample(shape, dtype)
     msg = encode(x, codec)
-    assert msg.codec == codec and msg.dtype == {torch.float32: "float32", torch.float16: "float16",
-                                                torch.bfloat16: "bfloat16"}[dtype]
+    assert (
+        msg.codec == codec
+        and msg.dtype == {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}[dtype]
+    )
     assert list(msg.shape) == list(shape)
     assert len(msg.data) == encoded_size(codec, dtype, x.numel())
     y = decode(msg)
@@ -116,9 +120,9 @@ def test_blockwise8_ragged_tail_across_chunks_keeps_its_own_scale() -> None:
     msg = encode(x, "blockwise8")
     blocks = math.ceil(n / BLOCK_SIZE)
     assert len(msg.data) == encoded_size("blockwise8", torch.float32, n) == 4 * blocks + n
-    scales = torch.frombuffer(bytearray(msg.data[:4 * blocks]), dtype=torch.float32)
+    scales = torch.frombuffer(bytearray(msg.data[: 4 * blocks]), dtype=torch.float32)
     assert scales[-1].item() == 500.0
-    assert torch.equal(scales[:-1], x[:(blocks - 1) * BLOCK_SIZE].view(-1, BLOCK_SIZE).abs().amax(dim=1))
+    assert torch.equal(scales[:-1], x[: (blocks - 1) * BLOCK_SIZE].view(-1, BLOCK_SIZE).abs().amax(dim=1))
     y = decode(msg)
     assert ((y - x).abs() <= tolerance("blockwise8", x)).all()
 
@@ -186,8 +190,13 @@ def test_missing_codec_means_none() -> None:
 @pytest.mark.parametrize("codec", CODECS)
 def test_encoded_size(codec: str) -> None:
     for n in (0, 1, BLOCK_SIZE - 1, BLOCK_SIZE, BLOCK_SIZE + 1):
-        expected = {"none": 4 * n, "fp16": 2 * n, "bf16": 2 * n, "uint8": 8 + n,
-                    "blockwise8": 4 * math.ceil(n / BLOCK_SIZE) + n}[codec]
+        expected = {
+            "none": 4 * n,
+            "fp16": 2 * n,
+            "bf16": 2 * n,
+            "uint8": 8 + n,
+            "blockwise8": 4 * math.ceil(n / BLOCK_SIZE) + n,
+        }[codec]
         assert encoded_size(codec, torch.float32, n) == expected
 
 
@@ -203,6 +212,7 @@ def test_wire_error_is_value_error() -> None:
 
 # ------------------------------------------------------------------ encode errors
 
+
 @pytest.mark.parametrize("dtype", [torch.float64, torch.int32, torch.uint8, torch.bool, torch.complex64])
 def test_encode_rejects_dtype(dtype: torch.dtype) -> None:
     with pytest.raises(WireError, match="cannot be sent; allowed: float32, float16, bfloat16, int64"):
@@ -215,6 +225,7 @@ def test_encode_rejects_unknown_codec() -> None:
 
 
 # ------------------------------------------------------------------ decode errors
+
 
 def raw(dtype: str = "float32", shape=(2, 3), codec: str = "none", data: bytes | None = None) -> swarm_pb2.Tensor:
     numel = math.prod(shape) if all(d >= 0 for d in shape) else 0
@@ -257,15 +268,18 @@ def test_huge_claimed_shape_rejected_before_allocation() -> None:
         decode(msg)
 
 
-@pytest.mark.parametrize("expect, ok", [
-    ((2, 3), True),
-    ((None, 3), True),
-    ((None, None), True),
-    ((2, 4), False),
-    ((3, None), False),
-    ((2, 3, 1), False),
-    ((6,), False),
-])
+@pytest.mark.parametrize(
+    "expect, ok",
+    [
+        ((2, 3), True),
+        ((None, 3), True),
+        ((None, None), True),
+        ((2, 4), False),
+        ((3, None), False),
+        ((2, 3, 1), False),
+        ((6,), False),
+    ],
+)
 def test_expect_shape(expect, ok: bool) -> None:
     msg = encode(torch.zeros(2, 3))
     if ok:
@@ -379,7 +393,7 @@ def test_8bit_codecs_chunked_match_a_one_pass_reference(n: int) -> None:
     padded = torch.nn.functional.pad(x, (0, blocks * BLOCK_SIZE - n)).view(blocks, BLOCK_SIZE)
     absmax = padded.abs().amax(dim=1)
     msg = encode(x, "blockwise8")
-    sent = torch.frombuffer(bytearray(msg.data[:4 * blocks]), dtype=torch.float32)
+    sent = torch.frombuffer(bytearray(msg.data[: 4 * blocks]), dtype=torch.float32)
     assert torch.equal(sent, absmax)
     decoded = decode(msg)
     bound = (absmax / 127.0).repeat_interleave(BLOCK_SIZE)[:n] * 0.51
