@@ -4,14 +4,17 @@ stream fails cleanly (INVALID_ARGUMENT / cancelled) and the peer keeps serving."
 from __future__ import annotations
 
 import asyncio
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import grpc
 import pytest
 import torch
 
 from swarmpipe.peer.spec import LimitsSpec, ModelSpec, RunSpec
+from swarmpipe.peer.stage.lifecycle import Lifecycle
 from swarmpipe.peer.stage.metrics import PeerMetrics
 from swarmpipe.peer.stage.server import StageServicer, start_server
+from swarmpipe.peer.swarm.records import PeerState
 from swarmpipe.peer.transport.channels import ChannelPool
 from swarmpipe.peer.transport.streaming import StreamingCaller, data_frame_bytes, frames
 from swarmpipe.peer.transport.wire import decode, encode
@@ -28,6 +31,13 @@ class IdentityRuntime:
         self.stats = type("S", (), {"samples": 0, "dropped_stale": 0, "busy_seconds": 0.0, "steps": 0})()
         self.pending: dict = {}
         self.max_pending = 256
+        self._compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix="compute")
+
+    def submit(self, fn) -> Future:
+        return self._compute.submit(fn)
+
+    async def run(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self._compute, fn, *args)
 
     def forward(self, mb_id: str, x: torch.Tensor) -> torch.Tensor:
         return x * 2
@@ -46,8 +56,9 @@ async def _serve():
         model=ModelSpec(d_model=WIDTH, seq_len=4096),
         limits=LimitsSpec(max_message_mb=1, max_tensor_elements=1 << 24),
     )
-    servicer = StageServicer(IdentityRuntime(spec), "peer-x", PeerMetrics())
-    servicer.state = "online"
+    lifecycle = Lifecycle()
+    lifecycle.change(PeerState.ONLINE)
+    servicer = StageServicer(IdentityRuntime(spec), "peer-x", PeerMetrics(), lifecycle)
     server, port = await start_server(servicer, "127.0.0.1", 0)
     return server, f"127.0.0.1:{port}", ChannelPool(1)
 
