@@ -12,12 +12,11 @@ import torch
 
 from swarmpipe.peer.spec import RunSpec
 from swarmpipe.peer.transport import codecs
-from swarmpipe.peer.transport.wire import WireError, decode
+from swarmpipe.peer.transport.wire import MAX_ECHOED, WireError, decode
 from swarmpipe.protos import swarm_pb2
 
 MAX_MICROBATCH_ID = 128
 FLOAT_DTYPES = ("float32", "float16", "bfloat16")
-MAX_ECHOED = 64  # characters of a caller's string that an error message repeats
 
 
 class RequestError(Exception):

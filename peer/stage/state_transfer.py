@@ -121,9 +121,10 @@ async def download_state(
         return assemble([shard for shard, _ in fetched])
     except MixedState as e:
         log.info("state shards of stage %d disagree (%s): taking the whole state from one donor", stage, e)
-    newest_first = sorted(
-        {a for _, a in fetched}, key=lambda a: -max(int(m.get("version", 0)) for (m, _), b in fetched if b == a)
-    )
+    version_of: dict[str, int] = {}  # donor -> the newest version it showed us
+    for (meta, _), address in fetched:
+        version_of[address] = max(version_of.get(address, 0), int(meta.get("version", 0)))
+    newest_first = sorted(version_of, key=version_of.get, reverse=True)
     errors = []
     for donor in newest_first:
         try:
