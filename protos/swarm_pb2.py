@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cswarmpipe/protos/swarm.proto\x12\tswarmpipe\"C\n\x06Tensor\x12\r\n\x05shape\x18\x01 \x03(\x03\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05\x63odec\x18\x03 \x01(\t\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\"}\n\x0e\x46orwardRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\r\n\x05stage\x18\x02 \x01(\x05\x12\x15\n\rmicrobatch_id\x18\x03 \x01(\t\x12 \n\x05input\x18\x04 \x01(\x0b\x32\x11.swarmpipe.Tensor\x12\x13\n\x0breply_codec\x18\x05 \x01(\t\"E\n\x0f\x46orwardResponse\x12!\n\x06output\x18\x01 \x01(\x0b\x32\x11.swarmpipe.Tensor\x12\x0f\n\x07version\x18\x02 \x01(\x03\"\xb6\x01\n\x0f\x42\x61\x63kwardRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\r\n\x05stage\x18\x02 \x01(\x05\x12\x15\n\rmicrobatch_id\x18\x03 \x01(\t\x12&\n\x0bgrad_output\x18\x04 \x01(\x0b\x32\x11.swarmpipe.Tensor\x12 \n\x05input\x18\x05 \x01(\x0b\x32\x11.swarmpipe.Tensor\x12\x0e\n\x06replay\x18\x06 \x01(\x08\x12\x13\n\x0breply_codec\x18\x07 \x01(\t\"\x82\x01\n\x10\x42\x61\x63kwardResponse\x12%\n\ngrad_input\x18\x01 \x01(\x0b\x32\x11.swarmpipe.Tensor\x12\x0f\n\x07version\x18\x02 \x01(\x03\x12\r\n\x05\x64\x65lay\x18\x03 \x01(\x05\x12\x0f\n\x07\x61pplied\x18\x04 \x01(\x08\x12\x16\n\x0e\x64ropped_reason\x18\x05 \x01(\t\"\xa9\x01\n\x16\x46orwardBackwardRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\r\n\x05stage\x18\x02 \x01(\x05\x12\x15\n\rmicrobatch_id\x18\x03 \x01(\t\x12 \n\x05input\x18\x04 \x01(\x0b\x32\x11.swarmpipe.Tensor\x12\"\n\x07targets\x18\x05 \x01(\x0b\x32\x11.swarmpipe.Tensor\x12\x13\n\x0breply_codec\x18\x06 \x01(\t\"\x88\x01\n\x17\x46orwardBackwardResponse\x12\x0c\n\x04loss\x18\x01 \x01(\x02\x12%\n\ngrad_input\x18\x02 \x01(\x0b\x32\x11.swarmpipe.Tensor\x12\x0f\n\x07version\x18\x03 \x01(\x03\x12\x0f\n\x07\x61pplied\x18\x04 \x01(\x08\x12\x16\n\x0e\x64ropped_reason\x18\x05 \x01(\t\"\x1d\n\x0bInfoRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\"\x8f\x02\n\x0cInfoResponse\x12\x0f\n\x07peer_id\x18\x01 \x01(\t\x12\r\n\x05stage\x18\x02 \x01(\x05\x12\x0f\n\x07version\x18\x03 \x01(\x03\x12\x12\n\nthroughput\x18\x04 \x01(\x01\x12\r\n\x05queue\x18\x05 \x01(\x05\x12\r\n\x05state\x18\x06 \x01(\t\x12\x19\n\x11samples_processed\x18\x07 \x01(\x03\x12\x15\n\rdropped_stale\x18\x08 \x01(\x03\x12\x14\n\x0c\x62usy_seconds\x18\t \x01(\x01\x12\x13\n\x0b\x63pu_seconds\x18\n \x01(\x01\x12\x0f\n\x07\x62\x61tches\x18\x0b \x01(\x03\x12\x1c\n\x14\x62\x61tched_microbatches\x18\x0c \x01(\x03\x12\x10\n\x08protocol\x18\r \x01(\x05\"X\n\x14\x44ownloadStateRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\r\n\x05stage\x18\x02 \x01(\x05\x12\r\n\x05shard\x18\x03 \x01(\x05\x12\x12\n\nnum_shards\x18\x04 \x01(\x05\"\x83\x01\n\nStateChunk\x12\x0c\n\x04name\x18\x01 \x01(\t\x12!\n\x06tensor\x18\x02 \x01(\x0b\x32\x11.swarmpipe.Tensor\x12\x0f\n\x07version\x18\x03 \x01(\x03\x12\x15\n\rmetadata_json\x18\x04 \x01(\t\x12\r\n\x05index\x18\x05 \x01(\x05\x12\r\n\x05total\x18\x06 \x01(\x05\"F\n\x11PushStateResponse\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12\x0e\n\x06\x64\x65tail\x18\x02 \x01(\t\x12\x0f\n\x07version\x18\x03 \x01(\x03\"I\n\x05\x46rame\x12\x0e\n\x06method\x18\x01 \x01(\t\x12\x0e\n\x06header\x18\x02 \x01(\x0c\x12\x12\n\ndata_bytes\x18\x03 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\x32\xe2\x03\n\x05Stage\x12@\n\x07\x46orward\x12\x19.swarmpipe.ForwardRequest\x1a\x1a.swarmpipe.ForwardResponse\x12\x43\n\x08\x42\x61\x63kward\x12\x1a.swarmpipe.BackwardRequest\x1a\x1b.swarmpipe.BackwardResponse\x12X\n\x0f\x46orwardBackward\x12!.swarmpipe.ForwardBackwardRequest\x1a\".swarmpipe.ForwardBackwardResponse\x12\x37\n\x04Info\x12\x16.swarmpipe.InfoRequest\x1a\x17.swarmpipe.InfoResponse\x12I\n\rDownloadState\x12\x1f.swarmpipe.DownloadStateRequest\x1a\x15.swarmpipe.StateChunk0\x01\x12\x42\n\tPushState\x12\x15.swarmpipe.StateChunk\x1a\x1c.swarmpipe.PushStateResponse(\x01\x12\x30\n\x06Stream\x12\x10.swarmpipe.Frame\x1a\x10.swarmpipe.Frame(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cswarmpipe/protos/swarm.proto\x12\tswarmpipe\"C\n\x06Tensor\x12\r\n\x05shape\x18\x01 \x03(\x03\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05\x63odec\x18\x03 \x01(\t\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\"\x8f\x01\n\x0e\x46orwardRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\r\n\x05stage\x18\x02 \x01(\x05\x12\x15\n\rmicrobatch_id\x18\x03 \x01(\t\x12 \n\x05input\x18\x04 \x01(\x0b\x32\x11.swarmpipe.Tensor\x12\x13\n\x0breply_codec\x18\x05 \x01(\t\x12\x10\n\x08\x65valuate\x18\x06 \x01(\x08\"E\n\x0f\x46orwardResponse\x12!\n\x06output\x18\x01 \x01(\x0b\x32\x11.swarmpipe.Tensor\x12\x0f\n\x07version\x18\x02 \x01(\x03\"\xb6\x01\n\x0f\x42\x61\x63kwardRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\r\n\x05stage\x18\x02 \x01(\x05\x12\x15\n\rmicrobatch_id\x18\x03 \x01(\t\x12&\n\x0bgrad_output\x18\x04 \x01(\x0b\x32\x11.swarmpipe.Tensor\x12 \n\x05input\x18\x05 \x01(\x0b\x32\x11.swarmpipe.Tensor\x12\x0e\n\x06replay\x18\x06 \x01(\x08\x12\x13\n\x0breply_codec\x18\x07 \x01(\t\"\x82\x01\n\x10\x42\x61\x63kwardResponse\x12%\n\ngrad_input\x18\x01 \x01(\x0b\x32\x11.swarmpipe.Tensor\x12\x0f\n\x07version\x18\x02 \x01(\x03\x12\r\n\x05\x64\x65lay\x18\x03 \x01(\x05\x12\x0f\n\x07\x61pplied\x18\x04 \x01(\x08\x12\x16\n\x0e\x64ropped_reason\x18\x05 \x01(\t\"\xbb\x01\n\x16\x46orwardBackwardRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\r\n\x05stage\x18\x02 \x01(\x05\x12\x15\n\rmicrobatch_id\x18\x03 \x01(\t\x12 \n\x05input\x18\x04 \x01(\x0b\x32\x11.swarmpipe.Tensor\x12\"\n\x07targets\x18\x05 \x01(\x0b\x32\x11.swarmpipe.Tensor\x12\x13\n\x0breply_codec\x18\x06 \x01(\t\x12\x10\n\x08\x65valuate\x18\x07 \x01(\x08\"\x88\x01\n\x17\x46orwardBackwardResponse\x12\x0c\n\x04loss\x18\x01 \x01(\x02\x12%\n\ngrad_input\x18\x02 \x01(\x0b\x32\x11.swarmpipe.Tensor\x12\x0f\n\x07version\x18\x03 \x01(\x03\x12\x0f\n\x07\x61pplied\x18\x04 \x01(\x08\x12\x16\n\x0e\x64ropped_reason\x18\x05 \x01(\t\"\x1d\n\x0bInfoRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\"\x8f\x02\n\x0cInfoResponse\x12\x0f\n\x07peer_id\x18\x01 \x01(\t\x12\r\n\x05stage\x18\x02 \x01(\x05\x12\x0f\n\x07version\x18\x03 \x01(\x03\x12\x12\n\nthroughput\x18\x04 \x01(\x01\x12\r\n\x05queue\x18\x05 \x01(\x05\x12\r\n\x05state\x18\x06 \x01(\t\x12\x19\n\x11samples_processed\x18\x07 \x01(\x03\x12\x15\n\rdropped_stale\x18\x08 \x01(\x03\x12\x14\n\x0c\x62usy_seconds\x18\t \x01(\x01\x12\x13\n\x0b\x63pu_seconds\x18\n \x01(\x01\x12\x0f\n\x07\x62\x61tches\x18\x0b \x01(\x03\x12\x1c\n\x14\x62\x61tched_microbatches\x18\x0c \x01(\x03\x12\x10\n\x08protocol\x18\r \x01(\x05\"f\n\x14\x44ownloadStateRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\r\n\x05stage\x18\x02 \x01(\x05\x12\r\n\x05shard\x18\x03 \x01(\x05\x12\x12\n\nnum_shards\x18\x04 \x01(\x05\x12\x0c\n\x04\x62\x61se\x18\x05 \x01(\x08\"\x83\x01\n\nStateChunk\x12\x0c\n\x04name\x18\x01 \x01(\t\x12!\n\x06tensor\x18\x02 \x01(\x0b\x32\x11.swarmpipe.Tensor\x12\x0f\n\x07version\x18\x03 \x01(\x03\x12\x15\n\rmetadata_json\x18\x04 \x01(\t\x12\r\n\x05index\x18\x05 \x01(\x05\x12\r\n\x05total\x18\x06 \x01(\x05\"F\n\x11PushStateResponse\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12\x0e\n\x06\x64\x65tail\x18\x02 \x01(\t\x12\x0f\n\x07version\x18\x03 \x01(\x03\"I\n\x05\x46rame\x12\x0e\n\x06method\x18\x01 \x01(\t\x12\x0e\n\x06header\x18\x02 \x01(\x0c\x12\x12\n\ndata_bytes\x18\x03 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\x32\xe2\x03\n\x05Stage\x12@\n\x07\x46orward\x12\x19.swarmpipe.ForwardRequest\x1a\x1a.swarmpipe.ForwardResponse\x12\x43\n\x08\x42\x61\x63kward\x12\x1a.swarmpipe.BackwardRequest\x1a\x1b.swarmpipe.BackwardResponse\x12X\n\x0f\x46orwardBackward\x12!.swarmpipe.ForwardBackwardRequest\x1a\".swarmpipe.ForwardBackwardResponse\x12\x37\n\x04Info\x12\x16.swarmpipe.InfoRequest\x1a\x17.swarmpipe.InfoResponse\x12I\n\rDownloadState\x12\x1f.swarmpipe.DownloadStateRequest\x1a\x15.swarmpipe.StateChunk0\x01\x12\x42\n\tPushState\x12\x15.swarmpipe.StateChunk\x1a\x1c.swarmpipe.PushStateResponse(\x01\x12\x30\n\x06Stream\x12\x10.swarmpipe.Frame\x1a\x10.swarmpipe.Frame(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,30 +33,30 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_TENSOR']._serialized_start=43
   _globals['_TENSOR']._serialized_end=110
-  _globals['_FORWARDREQUEST']._serialized_start=112
-  _globals['_FORWARDREQUEST']._serialized_end=237
-  _globals['_FORWARDRESPONSE']._serialized_start=239
-  _globals['_FORWARDRESPONSE']._serialized_end=308
-  _globals['_BACKWARDREQUEST']._serialized_start=311
-  _globals['_BACKWARDREQUEST']._serialized_end=493
-  _globals['_BACKWARDRESPONSE']._serialized_start=496
-  _globals['_BACKWARDRESPONSE']._serialized_end=626
-  _globals['_FORWARDBACKWARDREQUEST']._serialized_start=629
-  _globals['_FORWARDBACKWARDREQUEST']._serialized_end=798
-  _globals['_FORWARDBACKWARDRESPONSE']._serialized_start=801
-  _globals['_FORWARDBACKWARDRESPONSE']._serialized_end=937
-  _globals['_INFOREQUEST']._serialized_start=939
-  _globals['_INFOREQUEST']._serialized_end=968
-  _globals['_INFORESPONSE']._serialized_start=971
-  _globals['_INFORESPONSE']._serialized_end=1242
-  _globals['_DOWNLOADSTATEREQUEST']._serialized_start=1244
-  _globals['_DOWNLOADSTATEREQUEST']._serialized_end=1332
-  _globals['_STATECHUNK']._serialized_start=1335
-  _globals['_STATECHUNK']._serialized_end=1466
-  _globals['_PUSHSTATERESPONSE']._serialized_start=1468
-  _globals['_PUSHSTATERESPONSE']._serialized_end=1538
-  _globals['_FRAME']._serialized_start=1540
-  _globals['_FRAME']._serialized_end=1613
-  _globals['_STAGE']._serialized_start=1616
-  _globals['_STAGE']._serialized_end=2098
+  _globals['_FORWARDREQUEST']._serialized_start=113
+  _globals['_FORWARDREQUEST']._serialized_end=256
+  _globals['_FORWARDRESPONSE']._serialized_start=258
+  _globals['_FORWARDRESPONSE']._serialized_end=327
+  _globals['_BACKWARDREQUEST']._serialized_start=330
+  _globals['_BACKWARDREQUEST']._serialized_end=512
+  _globals['_BACKWARDRESPONSE']._serialized_start=515
+  _globals['_BACKWARDRESPONSE']._serialized_end=645
+  _globals['_FORWARDBACKWARDREQUEST']._serialized_start=648
+  _globals['_FORWARDBACKWARDREQUEST']._serialized_end=835
+  _globals['_FORWARDBACKWARDRESPONSE']._serialized_start=838
+  _globals['_FORWARDBACKWARDRESPONSE']._serialized_end=974
+  _globals['_INFOREQUEST']._serialized_start=976
+  _globals['_INFOREQUEST']._serialized_end=1005
+  _globals['_INFORESPONSE']._serialized_start=1008
+  _globals['_INFORESPONSE']._serialized_end=1279
+  _globals['_DOWNLOADSTATEREQUEST']._serialized_start=1281
+  _globals['_DOWNLOADSTATEREQUEST']._serialized_end=1383
+  _globals['_STATECHUNK']._serialized_start=1386
+  _globals['_STATECHUNK']._serialized_end=1517
+  _globals['_PUSHSTATERESPONSE']._serialized_start=1519
+  _globals['_PUSHSTATERESPONSE']._serialized_end=1589
+  _globals['_FRAME']._serialized_start=1591
+  _globals['_FRAME']._serialized_end=1664
+  _globals['_STAGE']._serialized_start=1667
+  _globals['_STAGE']._serialized_end=2149
 # @@protoc_insertion_point(module_scope)

@@ -19,18 +19,20 @@ class Tensor(_message.Message):
     def __init__(self, shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., codec: _Optional[str] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class ForwardRequest(_message.Message):
-    __slots__ = ("run_id", "stage", "microbatch_id", "input", "reply_codec")
+    __slots__ = ("run_id", "stage", "microbatch_id", "input", "reply_codec", "evaluate")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     STAGE_FIELD_NUMBER: _ClassVar[int]
     MICROBATCH_ID_FIELD_NUMBER: _ClassVar[int]
     INPUT_FIELD_NUMBER: _ClassVar[int]
     REPLY_CODEC_FIELD_NUMBER: _ClassVar[int]
+    EVALUATE_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     stage: int
     microbatch_id: str
     input: Tensor
     reply_codec: str
-    def __init__(self, run_id: _Optional[str] = ..., stage: _Optional[int] = ..., microbatch_id: _Optional[str] = ..., input: _Optional[_Union[Tensor, _Mapping]] = ..., reply_codec: _Optional[str] = ...) -> None: ...
+    evaluate: bool
+    def __init__(self, run_id: _Optional[str] = ..., stage: _Optional[int] = ..., microbatch_id: _Optional[str] = ..., input: _Optional[_Union[Tensor, _Mapping]] = ..., reply_codec: _Optional[str] = ..., evaluate: _Optional[bool] = ...) -> None: ...
 
 class ForwardResponse(_message.Message):
     __slots__ = ("output", "version")
@@ -73,20 +75,22 @@ class BackwardResponse(_message.Message):
     def __init__(self, grad_input: _Optional[_Union[Tensor, _Mapping]] = ..., version: _Optional[int] = ..., delay: _Optional[int] = ..., applied: _Optional[bool] = ..., dropped_reason: _Optional[str] = ...) -> None: ...
 
 class ForwardBackwardRequest(_message.Message):
-    __slots__ = ("run_id", "stage", "microbatch_id", "input", "targets", "reply_codec")
+    __slots__ = ("run_id", "stage", "microbatch_id", "input", "targets", "reply_codec", "evaluate")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     STAGE_FIELD_NUMBER: _ClassVar[int]
     MICROBATCH_ID_FIELD_NUMBER: _ClassVar[int]
     INPUT_FIELD_NUMBER: _ClassVar[int]
     TARGETS_FIELD_NUMBER: _ClassVar[int]
     REPLY_CODEC_FIELD_NUMBER: _ClassVar[int]
+    EVALUATE_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     stage: int
     microbatch_id: str
     input: Tensor
     targets: Tensor
     reply_codec: str
-    def __init__(self, run_id: _Optional[str] = ..., stage: _Optional[int] = ..., microbatch_id: _Optional[str] = ..., input: _Optional[_Union[Tensor, _Mapping]] = ..., targets: _Optional[_Union[Tensor, _Mapping]] = ..., reply_codec: _Optional[str] = ...) -> None: ...
+    evaluate: bool
+    def __init__(self, run_id: _Optional[str] = ..., stage: _Optional[int] = ..., microbatch_id: _Optional[str] = ..., input: _Optional[_Union[Tensor, _Mapping]] = ..., targets: _Optional[_Union[Tensor, _Mapping]] = ..., reply_codec: _Optional[str] = ..., evaluate: _Optional[bool] = ...) -> None: ...
 
 class ForwardBackwardResponse(_message.Message):
     __slots__ = ("loss", "grad_input", "version", "applied", "dropped_reason")
@@ -139,16 +143,18 @@ class InfoResponse(_message.Message):
     def __init__(self, peer_id: _Optional[str] = ..., stage: _Optional[int] = ..., version: _Optional[int] = ..., throughput: _Optional[float] = ..., queue: _Optional[int] = ..., state: _Optional[str] = ..., samples_processed: _Optional[int] = ..., dropped_stale: _Optional[int] = ..., busy_seconds: _Optional[float] = ..., cpu_seconds: _Optional[float] = ..., batches: _Optional[int] = ..., batched_microbatches: _Optional[int] = ..., protocol: _Optional[int] = ...) -> None: ...
 
 class DownloadStateRequest(_message.Message):
-    __slots__ = ("run_id", "stage", "shard", "num_shards")
+    __slots__ = ("run_id", "stage", "shard", "num_shards", "base")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     STAGE_FIELD_NUMBER: _ClassVar[int]
     SHARD_FIELD_NUMBER: _ClassVar[int]
     NUM_SHARDS_FIELD_NUMBER: _ClassVar[int]
+    BASE_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     stage: int
     shard: int
     num_shards: int
-    def __init__(self, run_id: _Optional[str] = ..., stage: _Optional[int] = ..., shard: _Optional[int] = ..., num_shards: _Optional[int] = ...) -> None: ...
+    base: bool
+    def __init__(self, run_id: _Optional[str] = ..., stage: _Optional[int] = ..., shard: _Optional[int] = ..., num_shards: _Optional[int] = ..., base: _Optional[bool] = ...) -> None: ...
 
 class StateChunk(_message.Message):
     __slots__ = ("name", "tensor", "version", "metadata_json", "index", "total")

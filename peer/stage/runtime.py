@@ -315,6 +315,19 @@ class StageRuntime:
         self._observe(time.perf_counter() - started, x.shape[0], weight=1.0, microbatches=len(good))
         return results  # type: ignore[return-value]
 
+    def evaluate(self, inputs: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        """Forward-only on the live weights (validation): no record kept, no stash, no update.
+
+        Returns the output, or on the last stage with ``targets`` the mean loss as a 0-d tensor."""
+        if targets is not None and tuple(targets.shape) != tuple(inputs.shape[:2]):
+            raise ValueError(f"targets shape {list(targets.shape)} does not match inputs {list(inputs.shape[:2])}")
+        if targets is not None and targets.numel() and (targets.min() < 0 or targets.max() >= self.spec.model.vocab_size):
+            raise ValueError(f"targets must lie in [0, {self.spec.model.vocab_size})")
+        with torch.no_grad():
+            output = self.module(inputs if self.is_first else inputs.detach().float())
+            self.stats.evaluations += 1
+            return lm_loss(output, targets) if targets is not None and self.is_last else output
+
     # ---------------------------------------------------------------- updates
     def _apply(self, grads: dict[str, torch.Tensor | None], delay: int, count: int = 1) -> BackwardResult:
         """Add the summed gradients of ``count`` micro-batches; step once ``step_every`` have accumulated."""
