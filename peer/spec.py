@@ -27,14 +27,57 @@ class SpecError(ValueError):
     """A run spec that cannot be used: unknown schema, bad field, inconsistent split."""
 
 
+MODEL_FAMILIES = ("bytegpt", "llama")  # one module each in peer/model/
+FINETUNE_METHODS = ("full", "lora")
+
+
 @dataclass
 class ModelSpec:
+    """The model every replica builds. ``family`` picks the module in peer/model/; with ``checkpoint``
+    (a Hugging Face folder) the coordinator fills the fields below from its config.json before it
+    publishes the spec, so peers without the files build the same shapes."""
+
+    family: str = "bytegpt"  # bytegpt | llama (Llama, Mistral and Qwen2 checkpoints)
+    checkpoint: str = ""  # HF folder: config.json, *.safetensors, tokenizer; "" for a random init
+    base_digest: str = ""  # identity of that checkpoint (config + tensor index), set with it
     vocab_size: int = 256
     d_model: int = 128
     n_layers: int = 4
     n_heads: int = 4
     seq_len: int = 64
-    mlp_ratio: int = 4
+    mlp_ratio: int = 4  # bytegpt: MLP width / d_model
+    # llama family (ignored by bytegpt)
+    n_kv_heads: int = 0  # grouped-query attention: key/value heads (0: n_heads)
+    head_dim: int = 0  # 0: d_model // n_heads
+    intermediate_size: int = 0  # SwiGLU width (0: mlp_ratio * d_model)
+    rope_theta: float = 10000.0
+    rope_scaling: str = ""  # the HF config's rope_scaling as JSON ("" none)
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = False  # the head starts as the embedding (two copies once trained apart)
+    attention_bias: bool = False  # Qwen2: biases on q/k/v
+    mlp_bias: bool = False
+    max_position: int = 0  # HF max_position_embeddings (0: seq_len)
+    hf_model_type: str = "llama"  # llama | mistral | qwen2: the config export writes
+    bos_token_id: int = -1
+    eos_token_id: int = -1  # the document separator of tokenized data (-1: none)
+
+    def kv_heads(self) -> int:
+        return self.n_kv_heads or self.n_heads
+
+    def head_size(self) -> int:
+        return self.head_dim or self.d_model // self.n_heads
+
+
+@dataclass
+class FinetuneSpec:
+    """``full``: every weight trains. ``lora``: the base weights are frozen and only low-rank adapters on
+    the ``lora_targets`` linear layers train, carry optimizer state, travel and get checkpointed."""
+
+    method: str = "full"  # full | lora
+    lora_rank: int = 8
+    lora_alpha: float = 16.0
+    lora_dropout: float = 0.0
+    lora_targets: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
 
 
 @dataclass
@@ -100,6 +143,7 @@ class RunSpec:
     averaging_period: int = 50  # replica averaging: at least this many local steps between rounds
     averaging_interval_s: float = 30.0  # rounds at clock-aligned slots this far apart (0 disables averaging)
     model: ModelSpec = field(default_factory=ModelSpec)
+    finetune: FinetuneSpec = field(default_factory=FinetuneSpec)
     optimizer: OptimizerSpec = field(default_factory=OptimizerSpec)
     update: UpdateSpec = field(default_factory=UpdateSpec)
     batching: BatchingSpec = field(default_factory=BatchingSpec)
@@ -125,8 +169,26 @@ class RunSpec:
         if self.num_stages < 1:
             raise SpecError("num_stages must be >= 1")
         m = self.model
-        if m.d_model % m.n_heads:
+        if m.family not in MODEL_FAMILIES:
+            raise SpecError(f"unknown model family {m.family!r}; known: {', '.join(MODEL_FAMILIES)}")
+        if min(m.vocab_size, m.d_model, m.n_layers, m.n_heads, m.seq_len) < 1:
+            raise SpecError("model: vocab_size, d_model, n_layers, n_heads and seq_len must be >= 1")
+        if m.family == "bytegpt" and m.d_model % m.n_heads:
             raise SpecError(f"d_model {m.d_model} is not divisible by n_heads {m.n_heads}")
+        if m.family == "llama":
+            if m.n_kv_heads < 0 or m.n_heads % m.kv_heads():
+                raise SpecError(f"n_heads {m.n_heads} is not a multiple of n_kv_heads {m.kv_heads()}")
+            if not m.head_dim and m.d_model % m.n_heads:
+                raise SpecError(f"d_model {m.d_model} is not divisible by n_heads {m.n_heads} (or set head_dim)")
+        if m.checkpoint and not m.base_digest:
+            log.debug("spec: checkpoint %s not resolved yet (the coordinator fills the model fields)", m.checkpoint)
+        f = self.finetune
+        if f.method not in FINETUNE_METHODS:
+            raise SpecError(f"unknown finetune method {f.method!r}; known: {', '.join(FINETUNE_METHODS)}")
+        if f.method == "lora" and (f.lora_rank < 1 or f.lora_alpha <= 0 or not 0 <= f.lora_dropout < 1):
+            raise SpecError("finetune: lora_rank must be >= 1, lora_alpha > 0 and lora_dropout in [0, 1)")
+        if f.method == "lora" and not f.lora_targets:
+            raise SpecError("finetune: lora_targets names no module")
         counts = self.blocks_per_stage()
         if len(counts) != self.num_stages or sum(counts) != m.n_layers or min(counts) < 0:
             raise SpecError(f"layer_split {counts} does not split {m.n_layers} blocks into {self.num_stages} stages")
@@ -186,6 +248,10 @@ def _build(cls: type, data: dict[str, Any], path: str) -> Any:
                     f"{where} must be a number{' (an integer)' if isinstance(default, int) else ''}, got {value!r}"
                 )
             kwargs[name] = type(default)(value)
+        elif isinstance(default, list) and default and isinstance(default[0], str):
+            if not isinstance(value, list) or not all(isinstance(v, str) and 0 < len(v) <= 64 for v in value):
+                raise SpecError(f"{where} must be a list of names, got {value!r}")
+            kwargs[name] = list(value)
         elif isinstance(default, list):
             if not isinstance(value, list) or not all(_is_number(v) and float(v) == int(v) for v in value):
                 raise SpecError(f"{where} must be a list of integers, got {value!r}")
