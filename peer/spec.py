@@ -190,7 +190,8 @@ class RunSpec:
         if f.method == "lora" and not f.lora_targets:
             raise SpecError("finetune: lora_targets names no module")
         counts = self.blocks_per_stage()
-        if len(counts) != self.num_stages or sum(counts) != m.n_layers or min(counts) < 0:
+        unresolved = m.checkpoint and not m.base_digest  # n_layers comes from the checkpoint (resolve_spec)
+        if not unresolved and (len(counts) != self.num_stages or sum(counts) != m.n_layers or min(counts) < 0):
             raise SpecError(f"layer_split {counts} does not split {m.n_layers} blocks into {self.num_stages} stages")
         for role in codecs.ROLES:
             codec, allowed = getattr(self.compression, role), codecs.allowed_in_spec(role)

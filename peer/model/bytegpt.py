@@ -136,5 +136,6 @@ class ByteGPT(nn.Module):
         return x
 
 
-def build_stage(spec: RunSpec, stage: int) -> PipelineStage:
+def build_stage(spec: RunSpec, stage: int, empty: bool = False) -> PipelineStage:
+    """``empty`` is for families with checkpoints; byte-level stages always start from the run's seed."""
     return PipelineStage(spec, stage)

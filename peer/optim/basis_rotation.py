@@ -32,8 +32,9 @@ import torch
 
 
 def is_rotated_param(name: str, param: torch.Tensor) -> bool:
-    """The 2-D attention and MLP weights of a PipelineStage (qkv, proj, fc, fc_out)."""
-    return param.dim() == 2 and ("attn." in name or ".fc" in name)
+    """The 2-D weights inside the stage's blocks: attention and MLP matrices (bytegpt ``blocks.*``, the
+    llama family's ``layers.*``, and LoRA adapters there); never embeddings or the head."""
+    return param.dim() == 2 and name.startswith(("blocks.", "layers."))
 
 
 def _sorted_eigh(m: torch.Tensor) -> torch.Tensor:

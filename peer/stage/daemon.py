@@ -13,6 +13,7 @@ import torch
 from swarmpipe.peer.config import PeerConfig
 from swarmpipe.peer.events import EventLog
 from swarmpipe.peer.stage.averaging import ReplicaAverager
+from swarmpipe.peer.stage.base_weights import load_base_weights
 from swarmpipe.peer.stage.lifecycle import Lifecycle
 from swarmpipe.peer.stage.metrics import PeerMetrics
 from swarmpipe.peer.stage.rebalancer import Rebalancer
@@ -87,7 +88,7 @@ class PeerDaemon:
         if stage >= spec.num_stages:
             raise ValueError(f"--stage {stage} does not exist: run {run_id!r} has {spec.num_stages} stages")
         self.events.emit("joining", run_id=run_id, stage=stage)
-        runtime = StageRuntime(spec, stage)
+        runtime = StageRuntime(spec, stage, base_dir=cfg.checkpoint)
         # The averager forks a process: it must exist before the gRPC server starts.
         self.averager = ReplicaAverager(self.dht, runtime, self.events) if spec.averaging_interval_s > 0 else None
         metrics = PeerMetrics()
@@ -102,6 +103,8 @@ class PeerDaemon:
         await self._announce()  # visible as "joining" while state arrives
         if cfg.state_download:
             await load_initial_state(self.swarm, runtime, self.events)
+        elif runtime.awaiting_base:
+            await load_base_weights(self.swarm, runtime, self.events, cfg.checkpoint)
         self.lifecycle.change(PeerState.ONLINE)
         await self._announce()
         self.events.emit("online", stage=stage, address=self.address, metrics=self.metrics_address or "-")

@@ -25,7 +25,8 @@ from typing import Any, TypeVar
 import torch
 from torch.func import functional_call
 
-from swarmpipe.peer.model.bytegpt import build_stage, lm_loss
+from swarmpipe.peer.model import build_stage, has_base_checkpoint, lm_loss
+from swarmpipe.peer.model.lora import is_adapter
 from swarmpipe.peer.optim import build_optimizer, set_learning_rate
 from swarmpipe.peer.spec import RunSpec
 from swarmpipe.peer.stage.stash import (  # noqa: F401 (BackwardResult, UnknownMicrobatch: part of this API)
@@ -35,16 +36,20 @@ from swarmpipe.peer.stage.stash import (  # noqa: F401 (BackwardResult, UnknownM
     UnknownMicrobatch,
     concat_rows,
 )
-from swarmpipe.peer.stage.state import StageState, StateError, blend_into, capture, load_into
+from swarmpipe.peer.stage.state import StageState, StateError, blend_into, capture, check_params, load_into
 
 T = TypeVar("T")
 
 
 class StageRuntime:
-    def __init__(self, spec: RunSpec, stage: int, max_pending: int = 256):
+    def __init__(self, spec: RunSpec, stage: int, max_pending: int = 256, base_dir: str = ""):
         self.spec = spec
         self.stage = stage
-        self.module = build_stage(spec, stage)
+        self.base_dir = base_dir  # a local copy of the base checkpoint (peer --checkpoint), if any
+        # A stage whose weights come from a checkpoint is built empty (meta tensors, no memory) and gets its
+        # weights from load_base or import_state: the peer never holds a random copy next to the real one.
+        self.awaiting_base = has_base_checkpoint(spec)
+        self.module = build_stage(spec, stage, empty=self.awaiting_base)
         self.module.train()
         self.is_first = self.module.is_first
         self.is_last = self.module.is_last
@@ -77,13 +82,64 @@ class StageRuntime:
         self._compute.shutdown(wait=False, cancel_futures=True)
 
     # ---------------------------------------------------------------- state (call on the compute thread)
+    def trainable(self) -> dict[str, torch.nn.Parameter]:
+        """The parameters that train (all of them, or only the LoRA adapters): what is stashed,
+        differentiated, stepped, averaged, transferred and checkpointed."""
+        return {n: p for n, p in self.module.named_parameters() if p.requires_grad}
+
+    def base_names(self) -> list[str]:
+        """The parameters that come from the base checkpoint (every one except the adapters)."""
+        return [n for n, _ in self.module.named_parameters() if not is_adapter(n)]
+
+    def load_base(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Take the stage's weights from the base checkpoint (names as in :meth:`base_names`): assigned,
+        not copied, so the stage's memory is one copy of its weights. Fresh optimizer state."""
+        names = self.base_names()
+        missing = [n for n in names if n not in tensors]
+        if missing:
+            raise StateError(f"base weights lack {len(missing)} tensor(s) of stage {self.stage}, e.g. {missing[0]}")
+        params = dict(self.module.named_parameters())
+        for name in names:
+            want, got = params[name].shape, tensors[name].shape
+            if want != got:
+                raise StateError(f"base weight {name} has shape {list(got)}, stage {self.stage} needs {list(want)}")
+        self._assign({n: tensors[n] for n in names})
+
+    def _assign(self, tensors: dict[str, torch.Tensor]) -> None:
+        for name, value in tensors.items():
+            owner, _, leaf = name.rpartition(".")
+            module = self.module.get_submodule(owner) if owner else self.module
+            old = getattr(module, leaf)
+            setattr(module, leaf, torch.nn.Parameter(value.detach().float().contiguous(), old.requires_grad))
+        self.awaiting_base = any(p.is_meta for p in self.module.parameters())
+        # the optimizer held the replaced parameters (it has no state yet: nothing trained before the weights)
+        self.optimizer = build_optimizer(
+            self.module.named_parameters(), self.spec.optimizer, self.stage, self.spec.num_stages
+        )
+        self._snapshot = None
+
+    def export_base(self) -> StageState:
+        """The frozen base weights (params only), for a joiner without the checkpoint files. Only while they
+        are still the base: with LoRA they never change; full fine-tuning trains them (serve the state)."""
+        if self.awaiting_base:
+            raise StateError(f"stage {self.stage} has no weights yet")
+        if self.spec.finetune.method != "lora":
+            raise StateError("this replica has trained its base weights; download its state instead")
+        params = dict(self.module.named_parameters())
+        meta = {"run_id": self.spec.run_id, "stage": self.stage, "version": 0, "base": True}
+        meta["base_digest"] = self.spec.model.base_digest
+        # frozen tensors, never written in place: shared, not copied
+        return StageState({f"param.{n}": params[n].detach() for n in self.base_names()}, meta)
+
     def export_state(self) -> StageState:
-        """A consistent copy of weights, optimizer state and version."""
+        """A consistent copy of the trainable weights, optimizer state and version."""
         meta = {
             "run_id": self.spec.run_id,
             "stage": self.stage,
             "version": self.version,
             "optimizer": {"kind": self.spec.optimizer.kind},
+            "finetune": self.spec.finetune.method,
+            "base_digest": self.spec.model.base_digest,
         }
         return capture(self.module, self.optimizer, meta)
 
@@ -91,6 +147,14 @@ class StageRuntime:
         """Serve ``state`` from now on: weights, the optimizer state when its kind matches, the version."""
         if int(state.meta.get("stage", self.stage)) != self.stage:
             raise StateError(f"state is for stage {state.meta.get('stage')}, this runtime serves stage {self.stage}")
+        digest = state.meta.get("base_digest", "")
+        if digest and digest != self.spec.model.base_digest:
+            raise StateError(f"state was trained on base {digest[:16]}, this run's base is {self.spec.model.base_digest[:16]}")
+        if self.awaiting_base:  # full fine-tuning joins with a replica's weights and needs no base download
+            if self.spec.finetune.method == "lora":
+                raise StateError("load the base weights before the adapters")
+            check_params(self.module, state)
+            self._assign({n: state.tensors[f"param.{n}"] for n in self.trainable()})
         same_kind = (state.meta.get("optimizer") or {}).get("kind") == self.spec.optimizer.kind
         load_into(self.module, self.optimizer if load_optimizer and same_kind else None, state)
         self.version = max(self.version, state.version)
@@ -104,14 +168,15 @@ class StageRuntime:
         self._snapshot = None
 
     def weights(self) -> list[torch.Tensor]:
-        """Copies of the live weights, in parameter order (the averaging round's starting point)."""
-        return [p.detach().clone() for p in self.module.parameters()]
+        """Copies of the trainable weights, in parameter order (the averaging round's starting point);
+        zeros of their shapes while the weights have not arrived (the averager only needs the shapes then)."""
+        return [torch.zeros(p.shape) if p.is_meta else p.detach().clone() for p in self.trainable().values()]
 
     def add_correction(self, before: list[torch.Tensor], after: list[torch.Tensor]) -> None:
         """Add ``after - before`` to the live weights: an averaging round's result, keeping the updates
         made while it ran."""
         with torch.no_grad():
-            for p, b, a in zip(self.module.parameters(), before, after):
+            for p, b, a in zip(self.trainable().values(), before, after):
                 p.add_(a - b)
         self._snapshot = None
 
@@ -119,7 +184,7 @@ class StageRuntime:
     def _params_snapshot(self) -> dict[str, torch.Tensor]:
         """Detached copies of the live weights at the current version, shared by its forwards."""
         if self._snapshot is None or self._snapshot[0] != self.version:
-            params = {n: p.detach().clone().requires_grad_(True) for n, p in self.module.named_parameters()}
+            params = {n: p.detach().clone().requires_grad_(True) for n, p in self.trainable().items()}
             self._snapshot = (self.version, params)
         return self._snapshot[1]
 
@@ -206,7 +271,7 @@ class StageRuntime:
             x, output, grad_output, params = group.inputs, group.output, grad_full, group.params
             rows = {mb: group.rows[mb] for mb in ids}
         else:  # siblings are still out (or no stash): recompute just these rows
-            params = group.params if group.params is not None else dict(self.module.named_parameters())
+            params = group.params if group.params is not None else self.trainable()
             joined, slices = concat_rows([group.inputs[group.rows[mb]].detach() for mb in ids])
             x = joined if self.is_first else joined.requires_grad_(True)
             output = functional_call(self.module, params, (x,))
@@ -255,7 +320,7 @@ class StageRuntime:
         if grad_output.shape != output.shape:
             raise ValueError(f"grad_output shape {list(grad_output.shape)} does not match output {list(output.shape)}")
         grad_input, param_grads = self._differentiate(
-            output, grad_output.to(output.dtype), x, dict(self.module.named_parameters())
+            output, grad_output.to(output.dtype), x, self.trainable()
         )
         self.stats.replays += 1
         result = self._apply(param_grads, 0)
@@ -300,7 +365,7 @@ class StageRuntime:
         logits = self.module(x)
         losses = [lm_loss(logits[r], items[i][1]) for r, i in zip(rows, good)]
         grad_input, param_grads = self._differentiate(
-            torch.stack(losses).sum(), None, x, dict(self.module.named_parameters())
+            torch.stack(losses).sum(), None, x, self.trainable()
         )
         self.stats.forwards += len(good)
         shared = self._apply(param_grads, 0, count=len(good))
@@ -339,7 +404,7 @@ class StageRuntime:
         if not all(g is None or bool(torch.isfinite(g).all()) for g in grads.values()):
             self.stats.dropped_nonfinite += count
             return BackwardResult(None, delay, False, "non-finite gradient")
-        for name, p in self.module.named_parameters():
+        for name, p in self.trainable().items():
             g = grads.get(name)
             if g is None:
                 continue
@@ -351,7 +416,7 @@ class StageRuntime:
 
     def _step(self) -> None:
         opt = self.spec.optimizer
-        params = [p for p in self.module.parameters() if p.grad is not None]
+        params = [p for p in self.trainable().values() if p.grad is not None]
         if self._accumulated > 1:
             for p in params:
                 p.grad.div_(self._accumulated)

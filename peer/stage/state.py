@@ -58,9 +58,14 @@ class StageState:
         return self._digests[codec]
 
 
+def trainable(module: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter]]:
+    """The parameters a state carries: those that train (frozen LoRA base weights stay where they are)."""
+    return [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+
+
 def capture(module: torch.nn.Module, optimizer: torch.optim.Optimizer, meta: dict[str, Any]) -> StageState:
-    """Copies of a module's weights and its optimizer's state; ``meta`` names run, stage, version."""
-    tensors: dict[str, torch.Tensor] = {f"param.{n}": p.detach().clone() for n, p in module.named_parameters()}
+    """Copies of a module's trainable weights and its optimizer's state; ``meta`` names run, stage, version."""
+    tensors: dict[str, torch.Tensor] = {f"param.{n}": p.detach().clone() for n, p in trainable(module)}
     opt = optimizer.state_dict()
     scalars: dict[str, dict[str, Any]] = {}
     for index, entry in opt["state"].items():
@@ -75,8 +80,8 @@ def capture(module: torch.nn.Module, optimizer: torch.optim.Optimizer, meta: dic
 
 
 def check_params(module: torch.nn.Module, state: StageState, what: str = "state") -> None:
-    """Every parameter of ``module`` is in ``state`` with its shape; raises :class:`StateError`."""
-    for name, p in module.named_parameters():
+    """Every trainable parameter of ``module`` is in ``state`` with its shape; raises :class:`StateError`."""
+    for name, p in trainable(module):
         value = state.tensors.get(f"param.{name}")
         if value is None:
             raise StateError(f"{what} lacks parameter {name}")
@@ -88,7 +93,7 @@ def load_into(module: torch.nn.Module, optimizer: torch.optim.Optimizer | None, 
     """Copy weights (and the optimizer state when given) into place; shapes checked first."""
     check_params(module, state)
     with torch.no_grad():
-        for name, p in module.named_parameters():
+        for name, p in trainable(module):
             p.copy_(state.tensors[f"param.{name}"])
     if optimizer is not None:
         optimizer.load_state_dict(_optimizer_state_dict(state, state.meta.get("optimizer") or {}))
@@ -98,7 +103,7 @@ def blend_into(module: torch.nn.Module, other: StageState, weight: float) -> Non
     """p <- (1 - w) p + w p_other for every parameter (shapes checked first)."""
     check_params(module, other, what="cannot average: state")
     with torch.no_grad():
-        for name, p in module.named_parameters():
+        for name, p in trainable(module):
             p.mul_(1 - weight).add_(other.tensors[f"param.{name}"].to(p.dtype), alpha=weight)
 
 

@@ -7,6 +7,7 @@ import logging
 import os
 
 from swarmpipe.peer.events import EventLog
+from swarmpipe.peer.stage.base_weights import load_base_weights
 from swarmpipe.peer.stage.runtime import StageRuntime
 from swarmpipe.peer.stage.state import StateError
 from swarmpipe.peer.stage.state_transfer import download_state, push_state
@@ -17,10 +18,15 @@ MAX_DONORS = 4
 
 
 async def load_initial_state(swarm: SwarmDHT, runtime: StageRuntime, events: EventLog) -> str:
-    """Newest state from live replicas (split across them), else the coordinator's checkpoint, else the seed.
-    Returns the source used."""
+    """Newest state from live replicas (split across them), else the coordinator's checkpoint, else the
+    run's start: the base checkpoint's weights, or the seed. Returns the source used.
+
+    With LoRA the frozen base weights come first (the state is only the adapters); full fine-tuning
+    takes a replica's whole state and needs no base download."""
     spec = runtime.spec
     loop = asyncio.get_running_loop()
+    if runtime.awaiting_base and spec.finetune.method == "lora":
+        await load_base_weights(swarm, runtime, events, runtime.base_dir)
     peers = await swarm.stage_peers(runtime.stage)
     donors = [r.address for pid, r in peers.items() if pid != events.peer_id and r.state is PeerState.ONLINE]
     sources: list[tuple[str, list[str]]] = [("replicas", donors[:MAX_DONORS])] if donors else []
@@ -55,6 +61,8 @@ async def load_initial_state(swarm: SwarmDHT, runtime: StageRuntime, events: Eve
             seconds=round(loop.time() - started, 2),
         )
         return source
+    if runtime.awaiting_base:
+        return "base:" + await load_base_weights(swarm, runtime, events, runtime.base_dir)
     events.emit("state_from_seed", stage=runtime.stage, seed=spec.seed)
     return "seed"
 

@@ -67,10 +67,13 @@ async def _download_shard(
     num_shards: int,
     max_message_mb: int,
     on_chunk: Callable[[int, int], None] | None,
+    base: bool = False,
 ):
     async with grpc.aio.insecure_channel(address, options=channel_options(max_message_mb)) as channel:
         stub = swarm_pb2_grpc.StageStub(channel)
-        request = swarm_pb2.DownloadStateRequest(run_id=run_id, stage=stage, shard=shard, num_shards=num_shards)
+        request = swarm_pb2.DownloadStateRequest(
+            run_id=run_id, stage=stage, shard=shard, num_shards=num_shards, base=base
+        )
         chunks = []
         async for chunk in stub.DownloadState(request, timeout=TRANSFER_TIMEOUT_S):
             chunks.append(chunk)
@@ -85,8 +88,10 @@ async def download_state(
     stage: int,
     max_message_mb: int = 64,
     on_progress: Callable[[int, int], None] | None = None,
+    base: bool = False,
 ) -> StageState:
     """Pull the stage's state split across ``donors`` (addresses); retries a failed shard elsewhere.
+    ``base``: the stage's frozen base weights from the run's base checkpoint instead of its state.
     Shards from different snapshots are never joined: the whole state is then taken from one donor
     (the newest first), and a donor whose shards still disagree is skipped."""
     if not donors:
@@ -108,7 +113,9 @@ async def download_state(
         for attempt in range(len(candidates)):
             address = candidates[(shard + attempt) % len(candidates)]
             try:
-                got = await _download_shard(address, run_id, stage, shard, num_shards, max_message_mb, progress(shard))
+                got = await _download_shard(
+                    address, run_id, stage, shard, num_shards, max_message_mb, progress(shard), base
+                )
                 return got, address
             except (grpc.aio.AioRpcError, StateError, ValueError, asyncio.TimeoutError) as e:
                 detail = e.details() if isinstance(e, grpc.aio.AioRpcError) else str(e)
