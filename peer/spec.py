@@ -176,6 +176,8 @@ class RunSpec:
         if m.family == "bytegpt" and m.d_model % m.n_heads:
             raise SpecError(f"d_model {m.d_model} is not divisible by n_heads {m.n_heads}")
         if m.family == "llama":
+            if m.hf_model_type not in ("llama", "mistral", "qwen2"):
+                raise SpecError(f"hf_model_type {m.hf_model_type!r} is not one of llama, mistral, qwen2")
             if m.n_kv_heads < 0 or m.n_heads % m.kv_heads():
                 raise SpecError(f"n_heads {m.n_heads} is not a multiple of n_kv_heads {m.kv_heads()}")
             if not m.head_dim and m.d_model % m.n_heads:

@@ -4,11 +4,11 @@ A stage never loads the whole model: :meth:`HFCheckpoint.read` opens the safeten
 and reads exactly the tensors it is asked for (``tensors_read`` counts them), so a peer's memory holds
 its own stage and nothing else.
 
-The digest identifies a checkpoint cheaply (config.json plus every weight file's size and safetensors
-header, which lists each tensor's name, dtype, shape and offsets): a peer that has the folder checks it
-is the run's base before using it, and adapters are stored with it so nobody mixes them with another
-base. It identifies, it does not authenticate: weights that arrive over the network are checked against
-their donor's content digest (peer/stage/state.py) as every state is.
+The digest is a content hash (config.json and every weight file's bytes, streamed once and cached next
+to the files): a peer that has the folder checks it is the run's base before using it, and adapters are
+stored with it so nobody mixes them with another base (a fine-tune of the same architecture has the same
+tensor names and shapes, so nothing cheaper would tell them apart). Weights that arrive over the network
+are checked against their donor's digest (peer/stage/state.py) as every state is.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ SUPPORTED_MODEL_TYPES = {
 }
 MAX_CONFIG_BYTES = 1 << 20
 MAX_HEADER_BYTES = 100 << 20  # safetensors' own bound on a header
+DIGEST_CACHE = ".swarmpipe-digests.json"
 
 
 class CheckpointError(SpecError):
@@ -77,12 +78,29 @@ class HFCheckpoint:
 
     # ------------------------------------------------------------ identity and spec
     def digest(self) -> str:
+        """sha256 over config.json and every weight file's bytes (streamed, cached per file by size and
+        mtime in ``.swarmpipe-digests.json`` next to them, so a restart does not hash again)."""
         if not self._digest:
+            cache_file = self.path / DIGEST_CACHE
+            try:
+                cache = json.loads(cache_file.read_text())
+            except (OSError, ValueError):
+                cache = {}
             h = hashlib.sha256((self.path / "config.json").read_bytes())
+            fresh: dict[str, Any] = {}
             for file in sorted(set(self.files.values())):
-                h.update(file.name.encode())
-                h.update(str(file.stat().st_size).encode())
-                h.update(_header_bytes(file))
+                stat = file.stat()
+                key = f"{file.name}:{stat.st_size}:{stat.st_mtime_ns}"
+                if not isinstance(cache.get(key), str):
+                    with open(file, "rb") as f:
+                        cache[key] = hashlib.file_digest(f, "sha256").hexdigest()
+                fresh[key] = cache[key]
+                h.update(key.split(":")[0].encode() + cache[key].encode())
+            try:
+                if fresh != cache:
+                    cache_file.write_text(json.dumps(fresh))
+            except OSError:
+                pass  # a read-only folder: hash again next time
             self._digest = h.hexdigest()[:32]
         return self._digest
 
@@ -185,7 +203,7 @@ def resolve_spec(spec: RunSpec) -> RunSpec:
     if not m.checkpoint:
         return spec.validate()
     if m.family != "llama":
-        raise CheckpointError(f"model family {m.family!r} has no checkpoint format; use family = \"llama\"")
+        raise CheckpointError(f'model family {m.family!r} has no checkpoint format; use family = "llama"')
     ckpt = HFCheckpoint.open(m.checkpoint)
     for name, value in ckpt.model_fields().items():
         setattr(m, name, value)

@@ -1,9 +1,10 @@
 """The Llama-family decoder (Llama, Mistral, Qwen2) as pipeline stages, built from transformers' own layers.
 
 The three architectures share one decoder: RoPE, RMSNorm, a SwiGLU MLP and grouped-query attention;
-Qwen2 adds biases on q/k/v (``attention_bias``). A stage holds transformers' ``LlamaDecoderLayer`` for
-its layers, so the arithmetic is exactly ``LlamaForCausalLM``'s; stage 0 adds the token embedding, the
-last stage the final norm and the head.
+Qwen2 adds biases on q/k/v. A stage holds transformers' own decoder layers of the checkpoint's
+architecture (``LlamaDecoderLayer``, ``MistralDecoderLayer``, ``Qwen2DecoderLayer``), so the arithmetic
+is exactly ``LlamaForCausalLM``'s (and its siblings'); stage 0 adds the token embedding, the last stage
+the final norm and the head.
 
 Parameter names are the Hugging Face checkpoint's without the leading ``model.``
 (``layers.<global index>.self_attn.q_proj.weight``, ``embed_tokens.weight``, ``norm.weight``,
@@ -18,6 +19,7 @@ across peers); export writes them tied only while they are still equal.
 
 from __future__ import annotations
 
+import importlib
 import json
 
 import torch
@@ -30,14 +32,24 @@ HEAD_SEED_OFFSET = 20_000
 INIT_STD = 0.02  # transformers' initializer_range for these models
 
 
+# hf_model_type -> transformers' module and class prefix: the same decoder, each with its own layer class
+# (Qwen2 has biases on q/k/v but not on o; Mistral's sliding window never binds while seq_len fits in it)
+ARCHITECTURES = {
+    "llama": ("transformers.models.llama.modeling_llama", "Llama"),
+    "mistral": ("transformers.models.mistral.modeling_mistral", "Mistral"),
+    "qwen2": ("transformers.models.qwen2.modeling_qwen2", "Qwen2"),
+}
+
+
 def llama_config(m: ModelSpec):
-    """transformers' ``LlamaConfig`` for this spec (the attention runs through SDPA, causal, no mask)."""
-    from transformers import LlamaConfig
+    """transformers' config for this spec (the attention runs through SDPA, causal, no mask)."""
+    from transformers import AutoConfig
 
     rope = {"rope_theta": m.rope_theta, "rope_type": "default"}
     if m.rope_scaling:
         rope.update(json.loads(m.rope_scaling))
-    config = LlamaConfig(
+    config = AutoConfig.for_model(
+        m.hf_model_type,
         vocab_size=m.vocab_size,
         hidden_size=m.d_model,
         intermediate_size=m.intermediate_size or m.mlp_ratio * m.d_model,
@@ -55,6 +67,13 @@ def llama_config(m: ModelSpec):
     )
     config._attn_implementation = "sdpa"
     return config
+
+
+def layer_classes(m: ModelSpec) -> tuple[type, type, type]:
+    """(decoder layer, RMSNorm, rotary embedding) classes of the spec's architecture."""
+    module_name, prefix = ARCHITECTURES[m.hf_model_type]
+    module = importlib.import_module(module_name)
+    return tuple(getattr(module, f"{prefix}{kind}") for kind in ("DecoderLayer", "RMSNorm", "RotaryEmbedding"))
 
 
 def _init_(module: nn.Module, seed: int) -> None:
@@ -84,12 +103,11 @@ class LlamaStage(nn.Module):
 
     def __init__(self, spec: RunSpec, stage: int, empty: bool = False):
         super().__init__()
-        from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRMSNorm, LlamaRotaryEmbedding
-
         if not 0 <= stage < spec.num_stages:
             raise ValueError(f"stage {stage} out of range for {spec.num_stages} stages")
         m = spec.model
         config = llama_config(m)
+        decoder_layer, rms_norm, rotary = layer_classes(m)
         self.stage = stage
         self.is_first = stage == 0
         self.is_last = stage == spec.num_stages - 1
@@ -100,11 +118,11 @@ class LlamaStage(nn.Module):
         with torch.device("meta" if empty else "cpu"):
             if self.is_first:
                 self.embed_tokens = nn.Embedding(m.vocab_size, m.d_model)
-            self.layers = nn.ModuleDict({str(i): LlamaDecoderLayer(config, layer_idx=i) for i in self.block_indices})
+            self.layers = nn.ModuleDict({str(i): decoder_layer(config, layer_idx=i) for i in self.block_indices})
             if self.is_last:
-                self.norm = LlamaRMSNorm(m.d_model, eps=m.norm_eps)
+                self.norm = rms_norm(m.d_model, eps=m.norm_eps)
                 self.lm_head = nn.Linear(m.d_model, m.vocab_size, bias=False)
-        self.rotary_emb = LlamaRotaryEmbedding(config)  # buffers only, computed from the config
+        self.rotary_emb = rotary(config)  # buffers only, computed from the config
         if not empty:
             if self.is_first:
                 _init_(self.embed_tokens, seed + EMBEDDING_SEED_OFFSET)
@@ -137,4 +155,3 @@ def checkpoint_name(spec: RunSpec, name: str) -> str:
     if name == "lm_head.weight":
         return "model.embed_tokens.weight" if spec.model.tie_embeddings else name
     return f"model.{name}"
-

@@ -149,7 +149,9 @@ class StageRuntime:
             raise StateError(f"state is for stage {state.meta.get('stage')}, this runtime serves stage {self.stage}")
         digest = state.meta.get("base_digest", "")
         if digest and digest != self.spec.model.base_digest:
-            raise StateError(f"state was trained on base {digest[:16]}, this run's base is {self.spec.model.base_digest[:16]}")
+            raise StateError(
+                f"state was trained on base {digest[:16]}, this run's base is {self.spec.model.base_digest[:16]}"
+            )
         if self.awaiting_base:  # full fine-tuning joins with a replica's weights and needs no base download
             if self.spec.finetune.method == "lora":
                 raise StateError("load the base weights before the adapters")
@@ -319,9 +321,7 @@ class StageRuntime:
         output = self.module(x)
         if grad_output.shape != output.shape:
             raise ValueError(f"grad_output shape {list(grad_output.shape)} does not match output {list(output.shape)}")
-        grad_input, param_grads = self._differentiate(
-            output, grad_output.to(output.dtype), x, self.trainable()
-        )
+        grad_input, param_grads = self._differentiate(output, grad_output.to(output.dtype), x, self.trainable())
         self.stats.replays += 1
         result = self._apply(param_grads, 0)
         result.grad_input = grad_input
@@ -364,9 +364,7 @@ class StageRuntime:
         x = joined if self.is_first else joined.detach().float().requires_grad_(True)
         logits = self.module(x)
         losses = [lm_loss(logits[r], items[i][1]) for r, i in zip(rows, good)]
-        grad_input, param_grads = self._differentiate(
-            torch.stack(losses).sum(), None, x, self.trainable()
-        )
+        grad_input, param_grads = self._differentiate(torch.stack(losses).sum(), None, x, self.trainable())
         self.stats.forwards += len(good)
         shared = self._apply(param_grads, 0, count=len(good))
         for k, (r, i) in enumerate(zip(rows, good)):
@@ -386,7 +384,11 @@ class StageRuntime:
         Returns the output, or on the last stage with ``targets`` the mean loss as a 0-d tensor."""
         if targets is not None and tuple(targets.shape) != tuple(inputs.shape[:2]):
             raise ValueError(f"targets shape {list(targets.shape)} does not match inputs {list(inputs.shape[:2])}")
-        if targets is not None and targets.numel() and (targets.min() < 0 or targets.max() >= self.spec.model.vocab_size):
+        if (
+            targets is not None
+            and targets.numel()
+            and (targets.min() < 0 or targets.max() >= self.spec.model.vocab_size)
+        ):
             raise ValueError(f"targets must lie in [0, {self.spec.model.vocab_size})")
         with torch.no_grad():
             output = self.module(inputs if self.is_first else inputs.detach().float())
