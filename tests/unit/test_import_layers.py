@@ -14,10 +14,11 @@ SHARED = {"spec", "config", "events"}
 
 # layer -> the layers it may import (itself always allowed)
 ALLOWED: dict[str, set[str]] = {
-    "cli": {"coordinator", "stage", "trainer", "model", "optim", "swarm", "transport", "shared", "protos"},
+    "cli": {"coordinator", "stage", "trainer", "data", "model", "optim", "swarm", "transport", "shared", "protos"},
     "coordinator": {"stage", "model", "optim", "swarm", "transport", "shared", "protos"},
     "stage": {"model", "optim", "swarm", "transport", "shared", "protos"},
-    "trainer": {"swarm", "transport", "shared", "protos"},
+    "trainer": {"data", "swarm", "transport", "shared", "protos"},
+    "data": {"shared"},
     "optim": {"model", "shared"},
     "model": {"shared"},
     "swarm": {"transport", "shared"},
