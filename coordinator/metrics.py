@@ -150,6 +150,14 @@ class SwarmCollector(Collector):
             )
             g.add_metric([], sum(losses) / len(losses))
             yield g
+        val_losses = [t["val_loss"] for t in trainers if t.get("val_loss") is not None]
+        if val_losses:
+            g = GaugeMetricFamily(
+                "swarmpipe_val_loss",
+                "Newest validation loss, mean over trainers that measured one (cross-entropy, nats)",
+            )
+            g.add_metric([], sum(val_losses) / len(val_losses))
+            yield g
         g = GaugeMetricFamily("swarmpipe_swarm_samples_per_second", "Training samples per second, summed over trainers")
         g.add_metric([], float(sum(t.get("samples_per_s") or 0.0 for t in trainers)))
         yield g

@@ -247,6 +247,7 @@ class Coordinator:
                 "peer_id": pid,
                 "step": t.step,
                 "loss": t.loss,
+                "val_loss": t.val_loss,
                 "samples_per_s": t.samples_per_s,
                 "microbatches_completed": t.microbatches_completed,
                 "microbatches_retried": t.microbatches_retried,
@@ -269,10 +270,12 @@ class Coordinator:
             "updated_at": time.time(),
         }
         losses = [t["loss"] for t in trainer_rows if t["loss"] is not None]
+        val_losses = [t["val_loss"] for t in trainer_rows if t["val_loss"] is not None]
         self.history.append(
             {
                 "time": time.time(),
                 "loss": sum(losses) / len(losses) if losses else None,
+                "val_loss": sum(val_losses) / len(val_losses) if val_losses else None,
                 "samples_per_s": sum(t["samples_per_s"] for t in trainer_rows),
                 "step": max((t["step"] for t in trainer_rows), default=0),
             }

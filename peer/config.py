@@ -56,6 +56,8 @@ class TrainerConfig(CommonConfig):
     data: str = opt("", "text file or folder to train on (default: the Python standard library's source)")
     report: str = opt("", "write a JSON report here at the end")
     seed: int = opt(1, "data sampling seed")
+    eval_every: int = opt(0, "validation loss after every N completed micro-batches and at the end (0: off)")
+    eval_batches: int = opt(4, "held-out micro-batches in the validation set")
     call_timeout: float = opt(30.0, "deadline for each stage call, seconds")
     wait_timeout: float = opt(600.0, "give up when a stage has had no live replica this long")
     progress: bool = opt(True, "show a progress bar")

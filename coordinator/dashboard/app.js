@@ -76,11 +76,14 @@ function renderSummary(snap, history) {
   const stages = snap.stages || [];
   const losses = trainers.map((t) => t.loss).filter((l) => l !== null && l !== undefined);
   const loss = losses.length ? losses.reduce((a, b) => a + b, 0) / losses.length : null;
+  const valLosses = trainers.map((t) => t.val_loss).filter((l) => l !== null && l !== undefined);
+  const valLoss = valLosses.length ? valLosses.reduce((a, b) => a + b, 0) / valLosses.length : null;
   const sps = trainers.reduce((a, t) => a + (t.samples_per_s || 0), 0);
   const step = trainers.reduce((a, t) => Math.max(a, t.step || 0), 0);
   const peers = stages.reduce((a, s) => a + (s.peers || []).length, 0);
   document.getElementById("run-id").textContent = snap.run_id || "";
   document.getElementById("sum-loss").textContent = fmtNum(loss, 3);
+  document.getElementById("sum-val-loss").textContent = fmtNum(valLoss, 3);
   document.getElementById("sum-sps").textContent = trainers.length ? fmtNum(sps, 1) : "–";
   document.getElementById("sum-step").textContent = trainers.length ? String(step) : "–";
   document.getElementById("sum-peers").textContent = String(peers);
@@ -158,12 +161,15 @@ function niceStep(range, ticks) {
   return (norm <= 1 ? 1 : norm <= 2 ? 2 : norm <= 5 ? 5 : 10) * mag;
 }
 
+// opts.second: an optional second series (points {t, v}) drawn as a line of class "val" on the same axes.
 function renderChart(id, points, opts) {
   const chart = document.getElementById(id);
   const width = Math.max(200, Math.round(chart.getBoundingClientRect().width || 600));
   const height = Math.max(120, Math.round(chart.getBoundingClientRect().height || 220));
+  const second = opts.second || [];
   chart.setAttribute("viewBox", "0 0 " + width + " " + height);
   chart.setAttribute("data-points", String(points.length));
+  if (opts.second) chart.setAttribute("data-val-points", String(second.length));
   const children = [];
   const pad = { left: 48, right: 12, top: 10, bottom: 24 };
   const w = width - pad.left - pad.right;
@@ -174,10 +180,11 @@ function renderChart(id, points, opts) {
     chart.replaceChildren(...children);
     return;
   }
-  const t0 = points[0].t;
-  const t1 = points[points.length - 1].t;
-  let lo = Math.min(...points.map((p) => p.v));
-  let hi = Math.max(...points.map((p) => p.v));
+  const all = points.concat(second);
+  const t0 = Math.min(...all.map((p) => p.t));
+  const t1 = Math.max(...all.map((p) => p.t));
+  let lo = Math.min(...all.map((p) => p.v));
+  let hi = Math.max(...all.map((p) => p.v));
   if (opts.zero) lo = Math.min(0, lo);
   if (hi - lo < 1e-9) { hi += 1; lo -= opts.zero ? 0 : 1; }
   const step = niceStep(hi - lo, 4);
@@ -202,17 +209,25 @@ function renderChart(id, points, opts) {
   children.push(svg("path", { d: line, class: "series" }));
   const last = points[points.length - 1];
   children.push(svg("circle", { cx: x(last.t), cy: y(last.v), r: 3.5, class: "dot" }));
+  if (second.length) {
+    const path = second.map((p, i) => (i ? "L" : "M") + x(p.t).toFixed(1) + "," + y(p.v).toFixed(1)).join(" ");
+    if (second.length > 1) children.push(svg("path", { d: path, class: "series val" }));
+    const end = second[second.length - 1];
+    children.push(svg("circle", { cx: x(end.t), cy: y(end.v), r: 3.5, class: "dot val" }));
+  }
   chart.replaceChildren(...children);
 }
 
 function renderCharts(history) {
   const loss = history.filter((p) => p.loss !== null && p.loss !== undefined).map((p) => ({ t: p.time, v: p.loss }));
+  const val = history.filter((p) => p.val_loss !== null && p.val_loss !== undefined).map((p) => ({ t: p.time, v: p.val_loss }));
   // Samples/s from the first moment a trainer reported on: idle swarm time before that is not interesting.
   const firstTrainer = history.findIndex((p) => (p.step || 0) > 0 || (p.samples_per_s || 0) > 0);
   const sps = firstTrainer < 0 ? [] : history.slice(firstTrainer).map((p) => ({ t: p.time, v: p.samples_per_s || 0 }));
-  renderChart("loss-chart", loss, { zero: false });
+  renderChart("loss-chart", loss, { zero: false, second: val });
   renderChart("sps-chart", sps, { zero: true });
-  document.getElementById("loss-latest").textContent = loss.length ? "now " + fmtNum(loss[loss.length - 1].v, 3) : "";
+  document.getElementById("loss-latest").textContent = (loss.length ? "now " + fmtNum(loss[loss.length - 1].v, 3) : "") +
+    (val.length ? " · val " + fmtNum(val[val.length - 1].v, 3) : "");
   document.getElementById("sps-latest").textContent = sps.length ? "now " + fmtNum(sps[sps.length - 1].v, 1) : "";
 }
 
@@ -224,12 +239,13 @@ function renderTrainers(snap) {
     el("td", { class: "peer", text: shortId(t.peer_id), title: t.peer_id }),
     el("td", { text: String(t.step) }),
     el("td", { text: fmtNum(t.loss, 3) }),
+    el("td", { class: "val-loss", text: fmtNum(t.val_loss, 3) }),
     el("td", { text: fmtNum(t.samples_per_s, 1) }),
     el("td", { text: String(t.microbatches_completed) }),
     el("td", { text: String(t.microbatches_retried) }),
     el("td", { text: String(t.microbatches_lost) }),
     el("td", { text: fmtAge(now - t.updated_at) })));
-  if (!rows.length) rows.push(el("tr", {}, el("td", { class: "empty", colspan: 8, text: "no trainer is announcing" })));
+  if (!rows.length) rows.push(el("tr", {}, el("td", { class: "empty", colspan: 9, text: "no trainer is announcing" })));
   body.replaceChildren(...rows);
 }
 

@@ -6,6 +6,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Proc
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 DELAY_BUCKETS = (0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
+# The ``method`` label of requests: the stage RPCs; "evaluate" is a Forward or ForwardBackward for validation.
+METHODS = ("forward", "backward", "forward_backward", "evaluate", "download_state", "push_state")
 
 
 class PeerMetrics:
@@ -14,6 +16,8 @@ class PeerMetrics:
         r = self.registry
         ProcessCollector(registry=r)  # process_cpu_seconds_total and friends: CPU beside compute busy time
         self.requests = Counter("swarmpipe_requests_total", "RPCs served", ["method"], registry=r)
+        for method in METHODS:  # every method's series exists from the start, at zero
+            self.requests.labels(method)
         self.errors = Counter("swarmpipe_errors_total", "RPCs rejected or failed", ["method", "kind"], registry=r)
         self.bytes_in = Counter(
             "swarmpipe_received_bytes_total", "Tensor payload bytes received", ["codec"], registry=r

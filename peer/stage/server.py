@@ -7,6 +7,9 @@ Error contract (status code: when):
   UNAVAILABLE        the peer is draining or not ready: retry on another replica
   RESOURCE_EXHAUSTED message over the size cap (enforced by grpc itself)
 The peer keeps serving after any of them.
+
+Forward and ForwardBackward with ``evaluate`` set are validation: forward-only on the live weights, on
+the compute thread, no batching; nothing is kept (a Backward for that id is NOT_FOUND) and nothing steps.
 """
 
 from __future__ import annotations
@@ -189,14 +192,17 @@ class StageServicer(swarm_pb2_grpc.StageServicer):
             self._count_bytes(request.input, incoming=True)
             x = decode_stage_input(self.spec, self.runtime.is_first, request.input)
             mb = request.microbatch_id
-            out, siblings = await self._queued(
-                "forward", lambda: self.forwards.submit((mb, x), key=(tuple(x.shape[1:]), x.dtype))
-            )
-            self.siblings.remember(mb, siblings)
+            if request.evaluate:  # validation: forward-only on the live weights, nothing kept for a backward
+                out = await self._compute("evaluate", lambda: self.runtime.evaluate(x))
+            else:
+                out, siblings = await self._queued(
+                    "forward", lambda: self.forwards.submit((mb, x), key=(tuple(x.shape[1:]), x.dtype))
+                )
+                self.siblings.remember(mb, siblings)
             output = self._encode(out, reply, sink, "output")
             return swarm_pb2.ForwardResponse(output=output, version=self.runtime.version)
 
-        return await self._serve("forward", context, handle)
+        return await self._serve("evaluate" if request.evaluate else "forward", context, handle)
 
     async def Backward(
         self, request: swarm_pb2.BackwardRequest, context: grpc.aio.ServicerContext, sink: dict | None = None
@@ -256,6 +262,11 @@ class StageServicer(swarm_pb2_grpc.StageServicer):
                 expect_shape=tuple(x.shape[:2]),
                 what="targets",
             )
+            if request.evaluate:  # validation: the loss only; no gradient, no step, no optimizer state touched
+                loss = await self._compute("evaluate", lambda: self.runtime.evaluate(x, targets))
+                return swarm_pb2.ForwardBackwardResponse(
+                    loss=float(loss), version=self.runtime.version, applied=False, dropped_reason=""
+                )
             result = await self._queued(
                 "forward_backward",
                 lambda: self.forward_backwards.submit((x, targets), key=(tuple(x.shape[1:]), x.dtype)),
@@ -271,7 +282,7 @@ class StageServicer(swarm_pb2_grpc.StageServicer):
                 response.grad_input.CopyFrom(self._encode(result.grad_input, reply, sink, "grad_input"))
             return response
 
-        return await self._serve("forward_backward", context, handle)
+        return await self._serve("evaluate" if request.evaluate else "forward_backward", context, handle)
 
     async def Info(self, request: swarm_pb2.InfoRequest, context: grpc.aio.ServicerContext) -> swarm_pb2.InfoResponse:
         stats = self.runtime.stats

@@ -25,7 +25,9 @@ RUNS_INDEX_KEY = "swarmpipe.runs"
 # The stage RPC protocol this code speaks (protos/swarm.proto and the framing in peer/streaming.py).
 # Bump it on any change an older peer or trainer would misread; peers of another protocol are not
 # routed to (a record without the field predates versioning: protocol 0).
-WIRE_PROTOCOL = 1
+# 2: the ``evaluate`` flags (an older peer would train on a validation batch).
+WIRE_PROTOCOL = 2
+MAX_VAL_LOSS = 1e4  # a trainer's validation loss in nats: finite, 0..MAX_VAL_LOSS, or no record
 _ADDRESS = re.compile(r"^[A-Za-z0-9_.:\-\[\]]{1,255}:\d{1,5}$")
 
 
@@ -75,6 +77,7 @@ class TrainerRecord(Record):
     microbatches_completed: int = Field(ge=0, default=0)
     microbatches_retried: int = Field(ge=0, default=0)
     microbatches_lost: int = Field(ge=0, default=0)
+    val_loss: float | None = Field(default=None, ge=0, le=MAX_VAL_LOSS, allow_inf_nan=False)  # newest validation
     updated_at: float
 
 

@@ -11,7 +11,9 @@ A micro-batch ends ``completed`` (stage 0 acknowledged its backward),
 as invalid). A replica that moved to another stage is dropped from the view.
 
 The runner only reports: ``run`` returns a ``MicrobatchOutcome`` and the
-trainer folds it into its progress. While waiting for a replica it asks the
+trainer folds it into its progress. ``evaluate`` takes a validation batch forward
+only (``evaluate`` flag: peers keep nothing, step nothing) with the same routing
+and retries, and returns its loss. While waiting for a replica it asks the
 ``SwarmView`` it holds for a fresh read of the DHT.
 """
 
@@ -102,6 +104,7 @@ class MicrobatchRunner:
         self.policy = CodecPolicy()
         self.error_feedback = ErrorFeedback()
         self._waiting_since: dict[int, float] = {}
+        self._evaluations = 0
 
     async def close(self) -> None:
         await self.pool.close()
@@ -144,6 +147,32 @@ class MicrobatchRunner:
             )
         return MicrobatchOutcome(mb_id, MicrobatchStatus.COMPLETED, loss=loss, retries=journey.retries)
 
+    async def evaluate(self, inputs: torch.Tensor, targets: torch.Tensor) -> float | None:
+        """Validation loss of one batch: forward-only through every stage on the live weights, each hop on
+        a replica chosen and retried like a training call. None when it could not complete (no replica
+        within ``wait_timeout``, or every replica rejected it). Its latencies do not feed the router's
+        estimates: a forward-only call is cheaper than the training calls routing is planned for."""
+        P = self.spec.num_stages
+        self._evaluations += 1
+        mb_id = f"eval-{self._evaluations}"
+        journey = Journey()
+        x = inputs
+        try:
+            for stage in range(P - 1):
+                x, _ = await self._with_retries(
+                    stage, lambda v, s=stage, x=x: self._forward(v, s, mb_id, x, evaluate=True), journey, measure=False
+                )
+            (loss, _, _), _ = await self._with_retries(
+                P - 1,
+                lambda v, x=x: self._forward_backward(v, P - 1, mb_id, x, targets, evaluate=True),
+                journey,
+                measure=False,
+            )
+        except (NoReplica, Rejected) as e:
+            self.events.emit("evaluation_failed", level=logging.WARNING, microbatch=mb_id, reason=str(e))
+            return None
+        return loss
+
     async def _backward(
         self, stage: int, mb_id: str, view: PeerView, inputs: torch.Tensor, grad: torch.Tensor, journey: Journey
     ) -> tuple[torch.Tensor | None, bool]:
@@ -172,10 +201,10 @@ class MicrobatchRunner:
 
     # ------------------------------------------------------------ retries
     async def _with_retries(
-        self, stage: int, call: Callable[[PeerView], Awaitable[T]], journey: Journey
+        self, stage: int, call: Callable[[PeerView], Awaitable[T]], journey: Journey, measure: bool = True
     ) -> tuple[T, PeerView]:
         """Run ``call(view)`` on the best replica; on failure, ban and try another; wait when none is alive.
-        Every attempt after the first counts as a retry in ``journey``."""
+        Every attempt after the first counts as a retry in ``journey``. ``measure``: see :meth:`_timed`."""
         tried: set[str] = set()
         rejected: set[str] = set()  # replicas that called the request invalid
         first_attempt = True
@@ -191,7 +220,7 @@ class MicrobatchRunner:
             first_attempt = False
             self.router.started(view)
             try:
-                return await self._timed(view, call(view)), view
+                return await self._timed(view, call(view), measure), view
             except (grpc.aio.AioRpcError, asyncio.TimeoutError, WireError) as e:
                 ban = self._failed(view, e)
                 tried.add(view.peer_id)
@@ -217,10 +246,16 @@ class MicrobatchRunner:
             return 0.0
         return self.router.failed(view, ban=_should_ban(e))
 
-    async def _timed(self, view: PeerView, awaitable: Awaitable[T]) -> T:
+    async def _timed(self, view: PeerView, awaitable: Awaitable[T], measure: bool = True) -> T:
+        """Await one call under the deadline. ``measure=False`` (validation): the call ends without its
+        latency entering the replica's estimate, which is for training calls."""
         started = time.monotonic()
         result = await asyncio.wait_for(awaitable, self.call_timeout)
-        self.router.succeeded(view, time.monotonic() - started)
+        if measure:
+            self.router.succeeded(view, time.monotonic() - started)
+        else:
+            view.in_flight = max(0, view.in_flight - 1)
+            view.failures = 0
         return result
 
     async def _wait_for_replica(self, stage: int) -> None:
@@ -262,11 +297,18 @@ class MicrobatchRunner:
             return self.error_feedback.encode((stage, tuple(grad.shape)), grad, codec)
         return encode(grad, codec)
 
-    async def _forward(self, view: PeerView, stage: int, mb_id: str, x: torch.Tensor) -> torch.Tensor:
+    async def _forward(
+        self, view: PeerView, stage: int, mb_id: str, x: torch.Tensor, evaluate: bool = False
+    ) -> torch.Tensor:
         codec = self._codec("activations", view, x)
         header, payload = encode_parts(x, codec)
         request = swarm_pb2.ForwardRequest(
-            run_id=self.spec.run_id, stage=stage, microbatch_id=mb_id, input=header, reply_codec=codec
+            run_id=self.spec.run_id,
+            stage=stage,
+            microbatch_id=mb_id,
+            input=header,
+            reply_codec=codec,
+            evaluate=evaluate,
         )
         response = await self._call(view, "Forward", request, payloads=[payload])
         return decode(
@@ -276,7 +318,16 @@ class MicrobatchRunner:
             what="forward output",
         ).float()
 
-    async def _forward_backward(self, view: PeerView, stage: int, mb_id: str, x: torch.Tensor, targets: torch.Tensor):
+    async def _forward_backward(
+        self,
+        view: PeerView,
+        stage: int,
+        mb_id: str,
+        x: torch.Tensor,
+        targets: torch.Tensor,
+        evaluate: bool = False,
+    ):
+        """(loss, input gradient, dropped as stale); with ``evaluate``, the loss alone: (loss, None, False)."""
         header, payload = encode_parts(x, self._codec("activations", view, x))
         request = swarm_pb2.ForwardBackwardRequest(
             run_id=self.spec.run_id,
@@ -285,10 +336,13 @@ class MicrobatchRunner:
             input=header,
             targets=encode(targets),
             reply_codec=self._codec("gradients", view, x),
+            evaluate=evaluate,
         )
         response = await self._call(view, "ForwardBackward", request, payloads=[payload, None])
         if not torch.isfinite(torch.tensor(response.loss)):
             raise WireError(f"stage {stage} returned a non-finite loss")
+        if evaluate:
+            return response.loss, None, False
         grad = None
         if stage > 0:
             grad = decode(

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from swarmpipe.peer.swarm.records import TrainerRecord, now
+from swarmpipe.peer.swarm.records import MAX_VAL_LOSS, TrainerRecord, now
 from swarmpipe.peer.trainer.microbatch import MicrobatchOutcome, MicrobatchStatus
 
 LOSS_WINDOW = 10  # micro-batches averaged for the loss EMA, loss_first and loss_last
@@ -29,6 +29,7 @@ class Progress:
     dropped_stale: int = 0
     failed: int = 0
     losses: list[float] = field(default_factory=list)  # completed and dropped-stale, in the order they ended
+    val_losses: list[tuple[int, float]] = field(default_factory=list)  # (completed, validation loss), in order
     clock: Callable[[], float] = field(default=time.monotonic, repr=False, compare=False)
     t0: float = field(init=False)  # when the tally began, by ``clock``
     marks: deque[tuple[float, int]] = field(default_factory=deque, repr=False)  # (time, completed) samples
@@ -54,6 +55,10 @@ class Progress:
             self.completed += 1
         if outcome.loss is not None:
             self.losses.append(outcome.loss)
+
+    def validated(self, step: int, val_loss: float) -> None:
+        """Fold in one validation loss, measured when ``step`` micro-batches had completed."""
+        self.val_losses.append((step, val_loss))
 
     # ------------------------------------------------------------ reads
     @property
@@ -91,6 +96,11 @@ class Progress:
     def loss_ema(self) -> float | None:
         return _mean(self.losses[-LOSS_WINDOW:])
 
+    @property
+    def val_loss(self) -> float | None:
+        """The newest validation loss; None before the first evaluation."""
+        return self.val_losses[-1][1] if self.val_losses else None
+
     def record(self, microbatch_size: int) -> TrainerRecord:
         """What the trainer announces in the DHT: the coordinator's dashboard and metrics read it."""
         return TrainerRecord(
@@ -100,6 +110,7 @@ class Progress:
             microbatches_completed=self.completed,
             microbatches_retried=self.retried,
             microbatches_lost=self.lost,
+            val_loss=self.val_loss if self.val_loss is not None and 0 <= self.val_loss <= MAX_VAL_LOSS else None,
             updated_at=now(),
         )
 
@@ -119,6 +130,8 @@ class Progress:
             "samples_per_s": self.samples_per_s(microbatch_size),
             "elapsed_s": self.elapsed_s,
             "losses": self.losses,
+            "val_loss": self.val_loss,
+            "val_losses": [[step, loss] for step, loss in self.val_losses],
         }
 
 

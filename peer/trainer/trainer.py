@@ -9,7 +9,9 @@ The parts talk one way. The trainer launches each micro-batch on the
 ``MicrobatchRunner`` and folds the ``MicrobatchOutcome`` it returns into its
 ``Progress``; the runner never sees the progress. The ``SwarmView`` keeps the
 router current from the DHT on its own; the runner holds it and asks for an
-early read only while it waits for a replica.
+early read only while it waits for a replica. With ``eval_every`` set, an
+``Evaluator`` runs the validation set through the swarm as a task beside
+training (one at a time) and once more at the end; its losses go to the progress.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from swarmpipe.peer.events import EventLog
 from swarmpipe.peer.swarm.bootstrap import resolve_initial_peers
 from swarmpipe.peer.swarm.dht import SwarmDHT, reconnect_bootstrap, start_dht
 from swarmpipe.peer.trainer.data import BatchSampler, CorpusSplit, load_corpus
+from swarmpipe.peer.trainer.evaluation import Evaluator, validation_batches
 from swarmpipe.peer.trainer.microbatch import MicrobatchRunner
 from swarmpipe.peer.trainer.progress import Progress
 from swarmpipe.peer.trainer.routing import Router
@@ -44,6 +47,8 @@ class Trainer:
         self.progress = Progress()
         self.dht = None
         self.initial_peers: list[str] = []
+        self.evaluator: Evaluator | None = None
+        self._evaluation: asyncio.Task[None] | None = None  # at most one validation run at a time
 
     async def run(self) -> dict[str, Any]:
         cfg = self.cfg
@@ -70,9 +75,15 @@ class Trainer:
         swarm = SwarmDHT(self.dht, cfg.run_id)
         spec = await swarm.wait_for_spec(cfg.spec_timeout, initial_peers=self.initial_peers)
         corpus = await asyncio.to_thread(load_corpus, cfg.data or None)
-        sampler = BatchSampler(CorpusSplit.from_bytes(corpus).train, spec.microbatch_size, spec.model.seq_len, cfg.seed)
+        split = CorpusSplit.from_bytes(corpus)
+        sampler = BatchSampler(split.train, spec.microbatch_size, spec.model.seq_len, cfg.seed)
         view = SwarmView(swarm, Router(spec.num_stages))
         runner = MicrobatchRunner(spec, view, self.events, cfg.call_timeout, cfg.wait_timeout)
+        if cfg.eval_every > 0:
+            valid = validation_batches(split.valid, spec.microbatch_size, spec.model.seq_len, cfg.eval_batches)
+            self.evaluator = Evaluator(runner, valid, cfg.eval_every, self.events)
+            if not valid:
+                log.warning("no validation loss: the held-out data is shorter than one window")
         announce: asyncio.Task[None] | None = None
         bar = None
         try:
@@ -89,7 +100,10 @@ class Trainer:
             announce = asyncio.create_task(self._announce_loop(swarm, spec.microbatch_size))
             bar = self._progress_bar(spec.microbatch_size)
             await self._drive(runner, sampler, in_flight, bar)
+            await self._final_evaluation()
         finally:
+            if self._evaluation is not None:
+                self._evaluation.cancel()
             if announce is not None:
                 announce.cancel()
             await view.stop()
@@ -98,7 +112,7 @@ class Trainer:
                 bar.close()
         report = self.progress.report(cfg.run_id, spec.microbatch_size)
         await swarm.announce_trainer(self.progress.record(spec.microbatch_size), ttl=60)
-        self.events.emit("finished", **{k: v for k, v in report.items() if k != "losses"})
+        self.events.emit("finished", **{k: v for k, v in report.items() if k not in ("losses", "val_losses")})
         if cfg.report:
             tmp = cfg.report + ".tmp"
             with open(tmp, "w") as f:
@@ -130,6 +144,7 @@ class Trainer:
             done, tasks = await asyncio.wait(tasks, timeout=1.0, return_when=asyncio.FIRST_COMPLETED)
             for task in done:
                 task.result()  # a runner never raises except on a fatal error: let it surface
+            self._maybe_evaluate()
             if bar is not None:
                 bar.n = min(target, p.completed + p.dropped_stale)
                 bar.set_postfix(
@@ -146,6 +161,7 @@ class Trainer:
                     level=logging.DEBUG,
                     step=p.completed,
                     loss=p.loss_ema(),
+                    val_loss=p.val_loss,
                     samples_per_s=round(p.samples_per_s(runner.spec.microbatch_size), 2),
                     recent_samples_per_s=round(p.recent_samples_per_s(runner.spec.microbatch_size), 2),
                     retried=p.retried,
@@ -154,6 +170,35 @@ class Trainer:
                 )
         if tasks:
             await asyncio.gather(*tasks)
+
+    def _maybe_evaluate(self) -> None:
+        """Start a validation run beside training when one is due and none is running."""
+        if self._evaluation is not None:
+            if not self._evaluation.done():
+                return
+            task, self._evaluation = self._evaluation, None
+            task.result()  # an evaluation never raises except on a fatal error: let it surface
+        if self.evaluator is not None and self.evaluator.due(self.progress.completed):
+            self._evaluation = asyncio.create_task(self._evaluate(self.evaluator.maybe_run))
+
+    async def _evaluate(self, run) -> None:
+        step = self.progress.completed
+        val_loss = await run(step)
+        if val_loss is not None:
+            self.progress.validated(step, val_loss)
+
+    async def _final_evaluation(self) -> None:
+        """Wait for a running evaluation, then measure the final weights once. Not after a signal: the
+        process is asked to leave (a running evaluation is cancelled on the way out)."""
+        evaluator = self.evaluator
+        if evaluator is None or not evaluator.enabled or self.stop_requested.is_set():
+            return
+        if self._evaluation is not None:
+            task, self._evaluation = self._evaluation, None
+            await task
+        if evaluator.history and evaluator.history[-1][0] == self.progress.completed:
+            return  # the last periodic evaluation already saw these weights' step
+        await self._evaluate(evaluator.run)
 
     async def _run_and_count(
         self, runner: MicrobatchRunner, mb_id: str, inputs: torch.Tensor, targets: torch.Tensor

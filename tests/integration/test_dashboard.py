@@ -17,6 +17,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(420)]
 
 BROWSERS = ("chromium", "chromium-browser", "google-chrome")
 MIN_LOSS_POINTS = 5
+MIN_VAL_POINTS = 2
 
 
 def _find_browser() -> str | None:
@@ -109,7 +110,7 @@ def _rendered(browser: Browser, url: str, num_stages: int) -> Elements | None:
     loss = page.by_id("loss-chart") or {}
     if len(stages) != num_stages or any(s.get("data-replicas") in ("0", None) for s in stages):
         return None
-    if int(loss.get("data-points", "0")) < MIN_LOSS_POINTS:
+    if int(loss.get("data-points", "0")) < MIN_LOSS_POINTS or int(loss.get("data-val-points", "0")) < MIN_VAL_POINTS:
         return None
     return page
 
@@ -120,13 +121,20 @@ def test_dashboard_shows_pipeline_and_loss(swarm, chromium, tmp_path):
     peers = [swarm.start_peer(stage, wait=False) for stage in (0, 0, 1)]
     for p in peers:
         swarm.wait_ready(p)
-    trainer, _report = swarm.start_trainer(5000)  # far more than the test needs: it never waits for the end
+    # Far more steps than the test needs (it never waits for the end); a validation loss every 20.
+    trainer, _report = swarm.start_trainer(5000, "--eval-every", "20", "--eval-batches", "2")
 
     def loss_points() -> int:
         points = [h for h in swarm.api("/api/history") if h.get("loss") is not None]
         return len(points) if len(points) >= MIN_LOSS_POINTS else 0
 
     wait_for(loss_points, 180, f"{MIN_LOSS_POINTS} loss points in /api/history", poll=1.0, procs=[trainer])
+
+    def val_points() -> int:
+        points = [h for h in swarm.api("/api/history") if h.get("val_loss") is not None]
+        return len(points) if len(points) >= MIN_VAL_POINTS else 0
+
+    wait_for(val_points, 120, f"{MIN_VAL_POINTS} val_loss points in /api/history", poll=1.0, procs=[trainer])
     url = swarm.url + "/"
     page = wait_for(
         lambda: _rendered(browser, url, 2), 120, "the dashboard to render every stage and a loss curve", poll=1.0
@@ -150,10 +158,12 @@ def test_dashboard_shows_pipeline_and_loss(swarm, chromium, tmp_path):
     assert pipeline["data-bottleneck"] == marked[0]["data-index"]
     # Charts and events.
     assert int(page.by_id("loss-chart")["data-points"]) >= MIN_LOSS_POINTS
+    assert int(page.by_id("loss-chart")["data-val-points"]) >= MIN_VAL_POINTS  # the second line: val_loss
     assert int(page.by_id("sps-chart")["data-points"]) >= 2
     joined = [e for e in page.by_class("event") if e.get("data-kind") == "peer_joined"]
     assert len(joined) >= 3, page.by_class("event")
     assert len(page.by_class("trainer")) >= 1
+    assert page.by_class("val-loss"), "the trainers table has a val loss column"
 
     shot = tmp_path / "dashboard.png"
     browser.screenshot(url, shot)

@@ -65,7 +65,7 @@ def _peer_checks(first: Scrape, second: Scrape, stage: int) -> None:
     assert first.type_of("swarmpipe_optimizer_steps") == "counter"
     for name in PEER_COUNTERS:
         assert second.total(name) > first.total(name) > 0, (stage, name, first.total(name), second.total(name))
-    methods = ("forward", "backward") if stage == 0 else ("forward_backward",)
+    methods = ("forward", "backward", "evaluate") if stage == 0 else ("forward_backward", "evaluate")
     for method in methods:
         assert second.total("swarmpipe_requests_total", method=method) > first.total(
             "swarmpipe_requests_total", method=method
@@ -104,7 +104,7 @@ def test_peer_and_coordinator_metrics_move_while_training(swarm):
     errors = Scrape(peer_urls[0])
     assert errors.total("swarmpipe_errors_total", method="forward", kind="failed_precondition") == 1, errors.samples
 
-    trainer, report_path = swarm.start_trainer(STEPS)
+    trainer, report_path = swarm.start_trainer(STEPS, "--eval-every", str(STEPS // 4), "--eval-batches", "2")
     # First sample while training: every peer did some work and the coordinator saw the trainer.
     wait_for(
         lambda: all(Scrape(u).total("swarmpipe_optimizer_steps_total") >= 20 for u in peer_urls),
@@ -165,6 +165,11 @@ def test_peer_and_coordinator_metrics_move_while_training(swarm):
     assert c2.type_of("swarmpipe_coordinator_events") == "counter"
     assert c2.total("swarmpipe_coordinator_events_total", kind="peer_joined") >= 2
     assert c2.total("swarmpipe_coordinator_events_total") >= c1.total("swarmpipe_coordinator_events_total")
+    # Validation (--eval-every): the newest validation loss as a gauge, and a series in /api/history.
+    val = wait_for(lambda: Scrape(coordinator_url).values("swarmpipe_val_loss"), 30, "the val_loss gauge", poll=0.5)
+    assert Scrape(coordinator_url).type_of("swarmpipe_val_loss") == "gauge"
+    assert 0 < val[0] < 10 and report["val_loss"] is not None, (val, report["val_loss"])
+    assert any(h.get("val_loss") is not None for h in swarm.api("/api/history"))
     # --checkpoint-every 3: a checkpoint exists and is recent.
     wait_for(lambda: Scrape(coordinator_url).values("swarmpipe_checkpoint_age_seconds"), 30, "a checkpoint", poll=0.5)
     final = Scrape(coordinator_url)

@@ -9,6 +9,7 @@ from hivemind.utils import ValueWithExpiration
 from pydantic import ValidationError
 
 from swarmpipe.peer.swarm.records import (
+    MAX_VAL_LOSS,
     RUNS_INDEX_KEY,
     WIRE_PROTOCOL,
     CheckpointRecord,
@@ -136,6 +137,24 @@ def test_trainer_record() -> None:
     assert parse_record(TrainerRecord, {**good, "samples_per_s": -0.1}) is None
     assert parse_record(TrainerRecord, {**good, "microbatches_retried": -2}) is None
     assert parse_record(TrainerRecord, {**good, "loss": "low"}) is None
+
+
+def test_trainer_record_val_loss_is_optional_and_bounded() -> None:
+    good = {"step": 3, "loss": 2.5, "samples_per_s": 10.0, "updated_at": 1.0}
+    assert parse_record(TrainerRecord, good).val_loss is None  # a record from before validation losses
+    for value in (0.0, 2, 3.25, MAX_VAL_LOSS):
+        assert parse_record(TrainerRecord, {**good, "val_loss": value}).val_loss == value
+    assert parse_record(TrainerRecord, {**good, "val_loss": None}).val_loss is None
+
+
+@pytest.mark.parametrize(
+    "value", [float("nan"), float("inf"), float("-inf"), -0.1, MAX_VAL_LOSS * 1.01, 10**400, "1.5", True, [1.0], {}]
+)
+def test_forged_trainer_val_loss_rejected(value) -> None:
+    good = {"step": 3, "loss": 2.5, "samples_per_s": 10.0, "updated_at": 1.0}
+    assert parse_record(TrainerRecord, {**good, "val_loss": value}) is None
+    with pytest.raises(ValidationError):
+        TrainerRecord(**{**good, "val_loss": value})
 
 
 def test_checkpoint_record() -> None:

@@ -25,6 +25,8 @@ REPORT_FIELDS = {
     "samples_per_s",
     "elapsed_s",
     "losses",
+    "val_loss",
+    "val_losses",
 }
 
 
@@ -144,6 +146,7 @@ def test_report_has_every_field_and_adds_up() -> None:
     assert report["samples_per_s"] == pytest.approx(3 * 8 / 2.0)
     assert report["elapsed_s"] == pytest.approx(2.0)
     assert report["losses"] == [4.0, 3.0, 2.0, 1.0]
+    assert report["val_loss"] is None and report["val_losses"] == []
 
 
 def test_report_loss_first_and_last_are_windows_at_either_end() -> None:
@@ -169,3 +172,15 @@ def test_the_dht_record_matches_the_tally() -> None:
     rec = p.record(microbatch_size=4)
     assert (rec.step, rec.microbatches_completed, rec.microbatches_retried, rec.microbatches_lost) == (1, 1, 3, 1)
     assert rec.loss == pytest.approx(2.0) and rec.samples_per_s == pytest.approx(4.0)
+
+
+def test_validation_losses_go_to_the_report_and_the_newest_to_the_record() -> None:
+    p = Progress()
+    assert p.val_loss is None and p.record(4).val_loss is None
+    p.validated(10, 3.5)
+    p.validated(20, 3.25)
+    report = p.report("r", 4)
+    assert report["val_loss"] == 3.25 and report["val_losses"] == [[10, 3.5], [20, 3.25]]
+    assert p.record(4).val_loss == 3.25
+    p.validated(30, float("nan"))  # a value the record's bounds refuse is left out of it, not an error
+    assert p.record(4).val_loss is None
