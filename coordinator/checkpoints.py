@@ -5,6 +5,7 @@ Layout under ``--checkpoint-dir``::
     ckpt-000012/stage-0.safetensors   weights and optimizer tensors of stage 0
     ckpt-000012/stage-0.json          version, optimizer scalars, digest
     ckpt-000012/manifest.json         step, per-stage versions and digests
+    ckpt-000012/spec.json             the run spec (RunSpec.to_dict()): the folder describes itself
     latest                            "ckpt-000012" (replaced atomically)
 
 A checkpoint is written into a temporary folder and renamed into place, so a
@@ -25,6 +26,7 @@ from typing import Any
 import grpc
 from safetensors.torch import load_file, save_file
 
+from swarmpipe.peer.spec import RunSpec
 from swarmpipe.peer.stage.state import StageState, to_chunks
 from swarmpipe.peer.stage.state_transfer import receive_pushed
 from swarmpipe.protos import swarm_pb2, swarm_pb2_grpc
@@ -34,10 +36,11 @@ KEEP = 3
 
 
 class CheckpointStore:
-    def __init__(self, root: str | Path, num_stages: int):
+    def __init__(self, root: str | Path, num_stages: int, spec: RunSpec | None = None):
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
         self.num_stages = num_stages
+        self.spec = spec  # copied into every checkpoint as spec.json (what `swarmpipe export` reads)
 
     def latest_dir(self) -> Path | None:
         try:
@@ -78,6 +81,8 @@ class CheckpointStore:
                 stages[str(stage)] = old["stages"][str(stage)]
         manifest = {"step": step, "created_at": time.time(), "stages": stages}
         (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2))
+        if self.spec is not None:
+            (tmp / "spec.json").write_text(json.dumps(self.spec.to_dict(), indent=2))
         os.replace(tmp, self.root / name)
         pointer = self.root / ".latest.tmp"
         pointer.write_text(name)

@@ -63,7 +63,9 @@ class Coordinator:
         self._known_peers: dict[str, tuple[int, str]] = {}
         self.http: SwarmHttpServer | None = None
         self.initial_peers: list[str] = []
-        self.store = CheckpointStore(cfg.checkpoint_dir, self.spec.num_stages) if cfg.checkpoint_dir else None
+        self.store = (
+            CheckpointStore(cfg.checkpoint_dir, self.spec.num_stages, spec=self.spec) if cfg.checkpoint_dir else None
+        )
         self.grpc_server: grpc.aio.Server | None = None
         self.grpc_address = ""
         self.last_checkpoint: dict[str, Any] | None = self.store.manifest() if self.store else None

@@ -9,6 +9,7 @@ import argparse
 import asyncio
 import sys
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from swarmpipe.cli.args import add_dataclass_flags, resolve
@@ -19,6 +20,7 @@ from swarmpipe.peer.config import (
     PeerConfig,
     StatusConfig,
     TrainerConfig,
+    opt,
 )
 from swarmpipe.peer.events import setup_logging
 
@@ -70,6 +72,28 @@ def cmd_healthcheck(cfg: HealthcheckConfig) -> int:
     return run_healthcheck(cfg)
 
 
+@dataclass
+class ExportConfig:
+    checkpoint: str = opt("", "checkpoint root (its `latest` is exported) or one ckpt-* folder")
+    out: str = opt("", "folder to write the Hugging Face model (or PEFT adapter) into; absent or empty")
+    merge: bool = opt(False, "LoRA runs: merge the adapters into the base weights (default: a PEFT adapter folder)")
+    base: str = opt("", "base Hugging Face folder (default: the spec's model.checkpoint)")
+    spec: str = opt("", "run spec file (TOML or JSON) for a checkpoint without spec.json")
+    log_level: str = opt("WARNING", "logging level")
+
+
+def cmd_export(cfg: ExportConfig) -> int:
+    from swarmpipe.coordinator.export import export_checkpoint
+
+    if not cfg.checkpoint or not cfg.out:
+        raise ValueError("--checkpoint and --out are required")
+    s = export_checkpoint(cfg.checkpoint, cfg.out, merge=cfg.merge, base=cfg.base or None, spec=cfg.spec or None)
+    print(
+        f"exported step {s['step']} of {s['checkpoint']} to {s['out']}: {s['architecture']}, {s['parameters']:,} parameters"
+    )
+    return 0
+
+
 COMMANDS: dict[str, tuple[type, Callable[[Any], int], str]] = {
     "peer": (PeerConfig, cmd_peer, "serve one pipeline stage (volunteer daemon)"),
     "train": (TrainerConfig, cmd_train, "drive micro-batches through the swarm"),
@@ -77,6 +101,7 @@ COMMANDS: dict[str, tuple[type, Callable[[Any], int], str]] = {
     "demo": (DemoConfig, cmd_demo, "run a whole swarm on 127.0.0.1 and train it"),
     "status": (StatusConfig, cmd_status, "show the swarm as a table, read from the DHT"),
     "healthcheck": (HealthcheckConfig, cmd_healthcheck, "exit 0 when a peer or coordinator answers"),
+    "export": (ExportConfig, cmd_export, "write a checkpoint as a Hugging Face model folder"),
 }
 
 
