@@ -15,6 +15,7 @@ could not be pulled this round is carried over from the previous checkpoint.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import os
@@ -26,6 +27,8 @@ from typing import Any
 import grpc
 from safetensors.torch import load_file, save_file
 
+from swarmpipe.coordinator.base_weights import BaseWeights
+from swarmpipe.peer.model.hf_checkpoint import CheckpointError
 from swarmpipe.peer.spec import RunSpec
 from swarmpipe.peer.stage.state import StageState, to_chunks
 from swarmpipe.peer.stage.state_transfer import receive_pushed
@@ -110,15 +113,24 @@ class CheckpointStore:
 class CheckpointServicer(swarm_pb2_grpc.StageServicer):
     """The coordinator's side of state transfer: serves checkpoints, accepts handed-over state."""
 
-    def __init__(self, store: CheckpointStore, run_id: str, on_saved=None):
+    def __init__(self, store: CheckpointStore | None, run_id: str, on_saved=None, base: BaseWeights | None = None):
         self.store = store
         self.run_id = run_id
         self.on_saved = on_saved
+        self.base = base  # serves each stage's base weights when the run starts from a HF checkpoint
 
     async def DownloadState(self, request: swarm_pb2.DownloadStateRequest, context: grpc.aio.ServicerContext):
         if request.run_id != self.run_id:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"wrong run id {request.run_id!r}")
-        state = self.store.load(request.stage)
+        if request.base:
+            if self.base is None:
+                await context.abort(grpc.StatusCode.NOT_FOUND, "this run has no base checkpoint")
+            try:
+                state = await asyncio.to_thread(self.base.stage_state, request.stage)
+            except CheckpointError as e:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        else:
+            state = self.store.load(request.stage) if self.store is not None else None
         if state is None:
             await context.abort(grpc.StatusCode.NOT_FOUND, f"no checkpoint of stage {request.stage}")
         try:
@@ -129,6 +141,8 @@ class CheckpointServicer(swarm_pb2_grpc.StageServicer):
             yield chunk
 
     async def PushState(self, request_iterator, context: grpc.aio.ServicerContext) -> swarm_pb2.PushStateResponse:
+        if self.store is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "this coordinator keeps no checkpoints (--checkpoint-dir)")
         try:
             state = await receive_pushed(request_iterator)
         except ValueError as e:

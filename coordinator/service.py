@@ -18,10 +18,12 @@ from typing import Any
 
 import grpc
 
+from swarmpipe.coordinator.base_weights import BaseWeights
 from swarmpipe.coordinator.checkpoints import CheckpointServicer, CheckpointStore
 from swarmpipe.coordinator.http import SwarmHttpServer
 from swarmpipe.peer.config import CoordinatorConfig
 from swarmpipe.peer.events import EventLog
+from swarmpipe.peer.model.hf_checkpoint import resolve_spec
 from swarmpipe.peer.spec import RunSpec, load_spec
 from swarmpipe.peer.stage.state import StateError
 from swarmpipe.peer.stage.state_transfer import download_state
@@ -47,7 +49,10 @@ class Coordinator:
     def __init__(self, cfg: CoordinatorConfig):
         self.cfg = cfg
         overrides: dict[str, Any] = {"run_id": cfg.run_id or None, "num_stages": cfg.num_stages or None}
-        self.spec: RunSpec = load_spec(cfg.spec or None, **overrides)
+        # A run on a Hugging Face checkpoint: the model fields come from its config.json, so peers without
+        # the files build the same shapes (peer/model/hf_checkpoint.py).
+        self.spec: RunSpec = resolve_spec(load_spec(cfg.spec or None, **overrides))
+        self.base = BaseWeights(self.spec) if self.spec.model.checkpoint else None
         self.events = EventLog(cfg.event_log, "coordinator")
         self.stop_requested = asyncio.Event()
         self.dht = None
@@ -98,7 +103,7 @@ class Coordinator:
             bound = int(self.initial_peers[0].split("/tcp/")[1].split("/")[0])
             Path(cfg.identity + ".port").write_text(str(bound))
         self.swarm = SwarmDHT(self.dht, self.spec.run_id)
-        if self.store is not None:
+        if self.store is not None or self.base is not None:
             await self._start_checkpoint_server()
         await self._publish()
         self.http = SwarmHttpServer(self, cfg.host, cfg.http_port)
@@ -137,8 +142,9 @@ class Coordinator:
         )
         await self.swarm.list_in_index(index, ttl=max(ttl, 3600))
 
-        if self.last_checkpoint is not None and self.grpc_address:
-            await self._publish_checkpoint(self.last_checkpoint)
+        if self.grpc_address and (self.last_checkpoint is not None or self.base is not None):
+            # with a base checkpoint and no checkpoint yet: every stage's version -1, the address serves the base
+            await self._publish_checkpoint(self.last_checkpoint or {"step": 0, "stages": {}})
 
     async def _publish_loop(self) -> None:
         while True:
@@ -150,7 +156,7 @@ class Coordinator:
 
     # ------------------------------------------------------------ checkpoints
     async def _start_checkpoint_server(self) -> None:
-        servicer = CheckpointServicer(self.store, self.spec.run_id, on_saved=self._checkpoint_saved)
+        servicer = CheckpointServicer(self.store, self.spec.run_id, on_saved=self._checkpoint_saved, base=self.base)
         self.grpc_server = grpc.aio.server(options=server_options(self.spec.limits.max_message_mb))
         swarm_pb2_grpc.add_StageServicer_to_server(servicer, self.grpc_server)
         port = self.grpc_server.add_insecure_port(f"{self.cfg.host}:{self.cfg.grpc_port}")

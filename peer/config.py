@@ -42,6 +42,9 @@ class PeerConfig(CommonConfig):
     spec_timeout: float = opt(120.0, "seconds to wait for the run spec in the DHT")
     rebalance_period: float = opt(0.0, "mean seconds between rebalancing checks (0 disables)")
     state_download: bool = opt(True, "download the stage's state from replicas or a checkpoint when joining")
+    checkpoint: str = opt(
+        "", "local copy of the run's base Hugging Face checkpoint (default: the spec's path if it exists here, else the swarm serves it)"
+    )
 
 
 @dataclass

@@ -313,9 +313,14 @@ class StageServicer(swarm_pb2_grpc.StageServicer):
                 raise RequestError(
                     grpc.StatusCode.UNAVAILABLE, "this peer is still joining; download from another replica"
                 )
-            # Exported on the compute thread (one consistent version, never mid-update) and kept a while,
-            # so every shard of one joiner's download comes from the same snapshot.
-            state = await self.donor.get(lambda: self._compute("download_state", self.runtime.export_state))
+            if request.base:  # the frozen base weights of a LoRA run (full fine-tuning trains them)
+                if self.spec.finetune.method != "lora":
+                    raise RequestError(grpc.StatusCode.NOT_FOUND, "replicas serve base weights only in LoRA runs")
+                state = await self._compute("download_state", self.runtime.export_base)
+            else:
+                # Exported on the compute thread (one consistent version, never mid-update) and kept a while,
+                # so every shard of one joiner's download comes from the same snapshot.
+                state = await self.donor.get(lambda: self._compute("download_state", self.runtime.export_state))
             chunks = await asyncio.to_thread(
                 to_chunks, state, request.shard, request.num_shards or 1, self.spec.compression.state
             )
