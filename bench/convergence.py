@@ -25,9 +25,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from swarmpipe.peer.data import BatchSampler, CorpusSplit, load_corpus  # noqa: E402
 from swarmpipe.peer.optim.delay_simulator import one_f_one_b_delays, simulate  # noqa: E402
 from swarmpipe.peer.spec import ModelSpec, OptimizerSpec, RunSpec  # noqa: E402
-from swarmpipe.peer.trainer.data import BatchSampler, CorpusSplit, load_corpus  # noqa: E402
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "convergence.json"
 

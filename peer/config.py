@@ -43,7 +43,8 @@ class PeerConfig(CommonConfig):
     rebalance_period: float = opt(0.0, "mean seconds between rebalancing checks (0 disables)")
     state_download: bool = opt(True, "download the stage's state from replicas or a checkpoint when joining")
     checkpoint: str = opt(
-        "", "local copy of the run's base Hugging Face checkpoint (default: the spec's path if it exists here, else the swarm serves it)"
+        "",
+        "local copy of the run's base Hugging Face checkpoint (default: the spec's path if it exists here, else the swarm serves it)",
     )
 
 
@@ -56,7 +57,15 @@ class TrainerConfig(CommonConfig):
         0,
         "synchronous baseline: wait for every micro-batch in flight after each K started (0: never, the asynchronous schedule)",
     )
-    data: str = opt("", "text file or folder to train on (default: the Python standard library's source)")
+    data: str = opt(
+        "",
+        "training data: text/JSONL/Parquet file or folder (tokenized with --tokenizer), a token file from "
+        "`swarmpipe tokenize`, or plain text as bytes (default: the Python standard library's source)",
+    )
+    tokenizer: str = opt("", "Hugging Face tokenizer folder (default: the run's checkpoint folder, if here)")
+    shard: int = opt(0, "this trainer's data shard, 0 .. num_shards-1 (trainers of one run read disjoint shards)")
+    num_shards: int = opt(1, "how many data shards the run's trainers split the data into")
+    state_file: str = opt("", "save the data cursor and counters here; a restarted trainer resumes from it")
     report: str = opt("", "write a JSON report here at the end")
     seed: int = opt(1, "data sampling seed")
     eval_every: int = opt(0, "validation loss after every N completed micro-batches and at the end (0: off)")

@@ -33,26 +33,6 @@ class EvaluatesBatches(Protocol):
 Batch = tuple[torch.Tensor, torch.Tensor]
 
 
-def validation_batches(data: torch.Tensor, batch_size: int, seq_len: int, max_batches: int) -> list[Batch]:
-    """Up to ``max_batches`` micro-batches of ``batch_size`` from consecutive, non-overlapping windows of
-    ``seq_len + 1`` tokens of ``data`` (inputs and next-token targets, int64). Only whole batches, except
-    that data too short for one gives a single smaller batch of every window it holds."""
-    if batch_size < 1 or seq_len < 1 or max_batches < 1:
-        return []
-    window = seq_len + 1
-    count = min(len(data) // window, max_batches * batch_size)
-    if count == 0:
-        return []
-    windows = data[: count * window].reshape(count, window).long()
-    whole = count // batch_size
-    sizes = [batch_size] * whole if whole else [count]
-    batches = []
-    for i, size in enumerate(sizes):
-        rows = windows[i * batch_size : i * batch_size + size]
-        batches.append((rows[:, :-1].contiguous(), rows[:, 1:].contiguous()))
-    return batches
-
-
 class Evaluator:
     def __init__(
         self,

@@ -30,6 +30,7 @@ class Progress:
     failed: int = 0
     losses: list[float] = field(default_factory=list)  # completed and dropped-stale, in the order they ended
     val_losses: list[tuple[int, float]] = field(default_factory=list)  # (completed, validation loss), in order
+    resumed: int = 0  # completed before this process (restored from --state-file): not in its rates
     clock: Callable[[], float] = field(default=time.monotonic, repr=False, compare=False)
     t0: float = field(init=False)  # when the tally began, by ``clock``
     marks: deque[tuple[float, int]] = field(default_factory=deque, repr=False)  # (time, completed) samples
@@ -81,7 +82,7 @@ class Progress:
 
     def samples_per_s(self, microbatch_size: int) -> float:
         elapsed = self.elapsed_s
-        return self.completed * microbatch_size / elapsed if elapsed > 0 else 0.0
+        return (self.completed - self.resumed) * microbatch_size / elapsed if elapsed > 0 else 0.0
 
     def recent_samples_per_s(self, microbatch_size: int, window_s: float = RECENT_WINDOW_S) -> float:
         """Rate over the last ``window_s`` seconds: what the swarm does now, not since the start.

@@ -22,18 +22,21 @@ import logging
 import os
 import signal
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from swarmpipe.peer.config import TrainerConfig
+from swarmpipe.peer.data import MicrobatchStream, open_dataset
 from swarmpipe.peer.events import EventLog
+from swarmpipe.peer.spec import RunSpec
 from swarmpipe.peer.swarm.bootstrap import resolve_initial_peers
 from swarmpipe.peer.swarm.dht import SwarmDHT, reconnect_bootstrap, start_dht
-from swarmpipe.peer.trainer.data import BatchSampler, CorpusSplit, load_corpus
-from swarmpipe.peer.trainer.evaluation import Evaluator, validation_batches
+from swarmpipe.peer.trainer.evaluation import Evaluator
 from swarmpipe.peer.trainer.microbatch import MicrobatchRunner
 from swarmpipe.peer.trainer.progress import Progress
+from swarmpipe.peer.trainer.resume import StateFile
 from swarmpipe.peer.trainer.routing import Router
 from swarmpipe.peer.trainer.swarm_view import SwarmView
 
@@ -74,16 +77,22 @@ class Trainer:
             cfg.run_id = next(iter(runs))
         swarm = SwarmDHT(self.dht, cfg.run_id)
         spec = await swarm.wait_for_spec(cfg.spec_timeout, initial_peers=self.initial_peers)
-        corpus = await asyncio.to_thread(load_corpus, cfg.data or None)
-        split = CorpusSplit.from_bytes(corpus)
-        sampler = BatchSampler(split.train, spec.microbatch_size, spec.model.seq_len, cfg.seed)
+        dataset = await asyncio.to_thread(
+            open_dataset, cfg.data or None, spec.model.seq_len, spec.model.vocab_size, self._tokenizer(spec), cfg.seed
+        )
+        data = dataset.describe()
+        identity = f"{data['source']}:{data['path']}:seq_len={spec.model.seq_len}:seed={cfg.seed}"
+        self.state_file = StateFile(cfg.state_file, cfg.run_id, cfg.shard, cfg.num_shards, identity)
+        saved = self.state_file.load()
+        self.state_file.restore(self.progress)
+        stream = dataset.batches(spec.microbatch_size, cfg.shard, cfg.num_shards, saved.cursor)
         view = SwarmView(swarm, Router(spec.num_stages))
         runner = MicrobatchRunner(spec, view, self.events, cfg.call_timeout, cfg.wait_timeout)
         if cfg.eval_every > 0:
-            valid = validation_batches(split.valid, spec.microbatch_size, spec.model.seq_len, cfg.eval_batches)
+            valid = (await asyncio.to_thread(dataset.validation, spec.microbatch_size))[: cfg.eval_batches]
             self.evaluator = Evaluator(runner, valid, cfg.eval_every, self.events)
             if not valid:
-                log.warning("no validation loss: the held-out data is shorter than one window")
+                log.warning("no validation loss: the data holds no held-out sequence")
         announce: asyncio.Task[None] | None = None
         bar = None
         try:
@@ -94,13 +103,18 @@ class Trainer:
                 stages=spec.num_stages,
                 steps=cfg.steps,
                 peers=len(view.router.peers),
-                corpus_bytes=len(corpus),
+                data=data["source"],
+                path=data["path"],
+                shard=f"{cfg.shard}/{cfg.num_shards}",
+                resumed_at=saved.cursor.to_dict() if self.state_file.resumed else None,
+                completed_before=self.progress.completed,
             )
             in_flight = cfg.in_flight or 2 * spec.num_stages
             announce = asyncio.create_task(self._announce_loop(swarm, spec.microbatch_size))
             bar = self._progress_bar(spec.microbatch_size)
-            await self._drive(runner, sampler, in_flight, bar)
+            await self._drive(runner, stream, in_flight, bar)
             await self._final_evaluation()
+            self.state_file.save(stream.cursor, self.progress)  # the final counters
         finally:
             if self._evaluation is not None:
                 self._evaluation.cancel()
@@ -120,7 +134,16 @@ class Trainer:
             os.replace(tmp, cfg.report)
         return report
 
-    async def _drive(self, runner: MicrobatchRunner, sampler: BatchSampler, in_flight: int, bar) -> None:
+    def _tokenizer(self, spec: RunSpec) -> str | None:
+        """--tokenizer, else the tokenizer of the run's checkpoint when this machine has that folder."""
+        if self.cfg.tokenizer:
+            return self.cfg.tokenizer
+        folder = Path(spec.model.checkpoint) if spec.model.checkpoint else None
+        if folder is not None and (folder / "tokenizer_config.json").is_file():
+            return str(folder)
+        return None
+
+    async def _drive(self, runner: MicrobatchRunner, stream: MicrobatchStream, in_flight: int, bar) -> None:
         """Keep ``in_flight`` micro-batches going until ``steps`` have ended."""
         p = self.progress
         target = self.cfg.steps
@@ -138,8 +161,11 @@ class Trainer:
                 break
             flush = self.cfg.flush_every
             while len(tasks) < in_flight and p.started < target and not (flush and p.started % flush == 0 and tasks):
-                inputs, targets = sampler.next()
+                inputs, targets, sequences = await asyncio.to_thread(stream.next)
+                # saved before the micro-batch runs: a restart never trains these sequences again
+                self.state_file.save(stream.cursor, p)
                 mb_id = f"{self.events.peer_id[-8:]}-{p.start()}"
+                self.events.emit("data", level=logging.DEBUG, microbatch=mb_id, sequences=sequences)
                 tasks.add(asyncio.create_task(self._run_and_count(runner, mb_id, inputs, targets)))
             done, tasks = await asyncio.wait(tasks, timeout=1.0, return_when=asyncio.FIRST_COMPLETED)
             for task in done:

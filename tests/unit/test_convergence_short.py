@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from swarmpipe.peer.data import BatchSampler, CorpusSplit, load_corpus
 from swarmpipe.peer.optim.delay_simulator import simulate
 from swarmpipe.peer.spec import ModelSpec, OptimizerSpec, RunSpec
-from swarmpipe.peer.trainer.data import BatchSampler, CorpusSplit, load_corpus
 
 pytestmark = pytest.mark.unit
 torch.set_num_threads(1)

@@ -17,7 +17,7 @@ from swarmpipe.peer.config import TrainerConfig
 from swarmpipe.peer.events import EventLog
 from swarmpipe.peer.spec import RunSpec
 from swarmpipe.peer.swarm.records import StageRecord
-from swarmpipe.peer.trainer.evaluation import Evaluator, validation_batches
+from swarmpipe.peer.trainer.evaluation import Evaluator
 from swarmpipe.peer.trainer.microbatch import MicrobatchRunner
 from swarmpipe.peer.trainer.routing import Router
 from swarmpipe.peer.trainer.swarm_view import SwarmView
@@ -106,24 +106,6 @@ async def test_a_few_batches_at_a_time() -> None:
     ev = Evaluator(runner, [batch(1)] * 10, every=1, concurrency=3)
     assert await ev.run(1) == 1.0
     assert runner.calls == 10 and runner.most_at_once == 3
-
-
-def test_validation_batches_are_consecutive_non_overlapping_windows() -> None:
-    data = torch.arange(200, dtype=torch.uint8)
-    batches = validation_batches(data, batch_size=2, seq_len=9, max_batches=3)  # windows of 10
-    assert len(batches) == 3
-    inputs, targets = batches[1]
-    assert inputs.dtype == targets.dtype == torch.int64 and inputs.shape == targets.shape == (2, 9)
-    assert inputs[0].tolist() == list(range(20, 29)) and targets[0].tolist() == list(range(21, 30))
-    assert inputs[1, 0] == 30
-    # Fewer windows than asked for: whole batches only; too few for one: one smaller batch.
-    assert len(validation_batches(data, 8, 9, 10)) == 2
-    short = validation_batches(data[:35], 8, 9, 10)
-    assert len(short) == 1 and short[0][0].shape == (3, 9)
-    assert validation_batches(data[:5], 8, 9, 10) == []
-
-
-# ------------------------------------------------------------ the runner
 
 
 def record(i: int) -> StageRecord:
