@@ -94,6 +94,66 @@ def cmd_export(cfg: ExportConfig) -> int:
     return 0
 
 
+@dataclass
+class TokenizeConfig:
+    data: str = opt("", "text, JSONL or Parquet file, or a folder of them, to tokenize")
+    tokenizer: str = opt("", "Hugging Face tokenizer folder (e.g. the model's checkpoint folder)")
+    out: str = opt("", "token file to write (*.tokens or *.bin), with its sidecar <out>.json")
+    max_tokens: int = opt(0, "stop after this many tokens (0: all of the data)")
+    log_level: str = opt("WARNING", "logging level")
+
+
+def cmd_tokenize(cfg: TokenizeConfig) -> int:
+    from swarmpipe.peer.data import tokenize_to_file
+
+    if not cfg.data or not cfg.tokenizer or not cfg.out:
+        raise ValueError("--data, --tokenizer and --out are required")
+    s = tokenize_to_file(cfg.data, cfg.tokenizer, cfg.out, max_tokens=cfg.max_tokens or None)
+    print(f"tokenized {s['tokens']:,} tokens in {s['documents']:,} documents as {s['dtype']} into {cfg.out}")
+    return 0
+
+
+@dataclass
+class TinyLlamaConfig:
+    out: str = opt("", "folder to write the checkpoint and its tokenizer into; absent or empty")
+    text: str = opt("", "text file or folder to train the tokenizer on (default: a few hundred KB of the stdlib)")
+    vocab_size: int = opt(512, "tokenizer and model vocabulary (at least 260; fewer when the text is too small)")
+    layers: int = opt(4, "decoder layers")
+    hidden: int = opt(128, "hidden size")
+    heads: int = opt(4, "attention heads")
+    kv_heads: int = opt(2, "key/value heads (grouped-query attention)")
+    intermediate: int = opt(0, "MLP width (0: 8/3 of --hidden, rounded up to a multiple of 64)")
+    seq_len: int = opt(256, "max_position_embeddings and the tokenizer's model_max_length")
+    tie: bool = opt(False, "tie the output head to the embedding")
+    seed: int = opt(0, "weight init seed")
+    log_level: str = opt("WARNING", "logging level")
+
+
+def cmd_tiny_llama(cfg: TinyLlamaConfig) -> int:
+    from swarmpipe.peer.model.tiny import make_tiny_llama_checkpoint
+
+    if not cfg.out:
+        raise ValueError("--out is required")
+    s = make_tiny_llama_checkpoint(
+        cfg.out,
+        text=cfg.text or None,
+        vocab_size=cfg.vocab_size,
+        layers=cfg.layers,
+        hidden=cfg.hidden,
+        heads=cfg.heads,
+        kv_heads=cfg.kv_heads,
+        intermediate=cfg.intermediate,
+        seq_len=cfg.seq_len,
+        tie=cfg.tie,
+        seed=cfg.seed,
+    )
+    print(
+        f"wrote a random {s['architecture']} to {s['out']}: {s['layers']} layers, hidden {s['hidden']}, "
+        f"vocab {s['vocab_size']}, {s['parameters']:,} parameters; tokenizer trained on {s['text']}"
+    )
+    return 0
+
+
 COMMANDS: dict[str, tuple[type, Callable[[Any], int], str]] = {
     "peer": (PeerConfig, cmd_peer, "serve one pipeline stage (volunteer daemon)"),
     "train": (TrainerConfig, cmd_train, "drive micro-batches through the swarm"),
@@ -102,6 +162,8 @@ COMMANDS: dict[str, tuple[type, Callable[[Any], int], str]] = {
     "status": (StatusConfig, cmd_status, "show the swarm as a table, read from the DHT"),
     "healthcheck": (HealthcheckConfig, cmd_healthcheck, "exit 0 when a peer or coordinator answers"),
     "export": (ExportConfig, cmd_export, "write a checkpoint as a Hugging Face model folder"),
+    "tokenize": (TokenizeConfig, cmd_tokenize, "tokenize text into a token file for training"),
+    "tiny-llama": (TinyLlamaConfig, cmd_tiny_llama, "make a small random Llama checkpoint and tokenizer, offline"),
 }
 
 
