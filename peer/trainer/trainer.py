@@ -112,6 +112,8 @@ class Trainer:
             in_flight = cfg.in_flight or 2 * spec.num_stages
             announce = asyncio.create_task(self._announce_loop(swarm, spec.microbatch_size))
             bar = self._progress_bar(spec.microbatch_size)
+            if self.evaluator is not None and not self.progress.val_losses:
+                await self._evaluate(self.evaluator.run)  # the baseline: the starting weights' loss
             await self._drive(runner, stream, in_flight, bar)
             await self._final_evaluation()
             self.state_file.save(stream.cursor, self.progress)  # the final counters
