@@ -1,0 +1,133 @@
+"""A stage's weights as the rest of the peer sees them: which train, where the base comes from, and
+their state for transfer, checkpoints and replica averaging (a part of :class:`StageRuntime`).
+
+Every method runs on the runtime's compute thread (``StageRuntime.run``), never beside a step.
+Only trainable parameters travel: all of them in full training, the adapters alone with LoRA (the
+frozen base is loaded once, from the checkpoint or the swarm, and never copied, averaged or saved).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from swarmpipe.peer.model.lora import is_adapter
+from swarmpipe.peer.optim import build_optimizer
+from swarmpipe.peer.stage.state import StageState, StateError, blend_into, capture, check_params, load_into
+
+if TYPE_CHECKING:
+    from swarmpipe.peer.spec import RunSpec
+
+
+class StageWeights:
+    """Mixed into :class:`~swarmpipe.peer.stage.runtime.StageRuntime`, which owns these fields."""
+
+    spec: RunSpec
+    stage: int
+    module: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    version: int
+    awaiting_base: bool
+    pending: dict
+    _snapshot: tuple[int, dict[str, torch.Tensor]] | None
+
+    def trainable(self) -> dict[str, torch.nn.Parameter]:
+        """The parameters that train (all of them, or only the LoRA adapters): what is stashed,
+        differentiated, stepped, averaged, transferred and checkpointed."""
+        return {n: p for n, p in self.module.named_parameters() if p.requires_grad}
+
+    def base_names(self) -> list[str]:
+        """The parameters that come from the base checkpoint (every one except the adapters)."""
+        return [n for n, _ in self.module.named_parameters() if not is_adapter(n)]
+
+    def load_base(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Take the stage's weights from the base checkpoint (names as in :meth:`base_names`): assigned,
+        not copied, so the stage's memory is one copy of its weights. Fresh optimizer state."""
+        names = self.base_names()
+        missing = [n for n in names if n not in tensors]
+        if missing:
+            raise StateError(f"base weights lack {len(missing)} tensor(s) of stage {self.stage}, e.g. {missing[0]}")
+        params = dict(self.module.named_parameters())
+        for name in names:
+            want, got = params[name].shape, tensors[name].shape
+            if want != got:
+                raise StateError(f"base weight {name} has shape {list(got)}, stage {self.stage} needs {list(want)}")
+        self._assign({n: tensors[n] for n in names})
+
+    def _assign(self, tensors: dict[str, torch.Tensor]) -> None:
+        for name, value in tensors.items():
+            owner, _, leaf = name.rpartition(".")
+            module = self.module.get_submodule(owner) if owner else self.module
+            old = getattr(module, leaf)
+            setattr(module, leaf, torch.nn.Parameter(value.detach().float().contiguous(), old.requires_grad))
+        self.awaiting_base = any(p.is_meta for p in self.module.parameters())
+        # the optimizer held the replaced parameters (it has no state yet: nothing trained before the weights)
+        self.optimizer = build_optimizer(
+            self.module.named_parameters(), self.spec.optimizer, self.stage, self.spec.num_stages
+        )
+        self._snapshot = None
+
+    def export_base(self) -> StageState:
+        """The frozen base weights (params only), for a joiner without the checkpoint files. Only while they
+        are still the base: with LoRA they never change; full fine-tuning trains them (serve the state)."""
+        if self.awaiting_base:
+            raise StateError(f"stage {self.stage} has no weights yet")
+        if self.spec.finetune.method != "lora":
+            raise StateError("this replica has trained its base weights; download its state instead")
+        params = dict(self.module.named_parameters())
+        meta = {"run_id": self.spec.run_id, "stage": self.stage, "version": 0, "base": True}
+        meta["base_digest"] = self.spec.model.base_digest
+        # frozen tensors, never written in place: shared, not copied
+        return StageState({f"param.{n}": params[n].detach() for n in self.base_names()}, meta)
+
+    def export_state(self) -> StageState:
+        """A consistent copy of the trainable weights, optimizer state and version."""
+        meta = {
+            "run_id": self.spec.run_id,
+            "stage": self.stage,
+            "version": self.version,
+            "optimizer": {"kind": self.spec.optimizer.kind},
+            "finetune": self.spec.finetune.method,
+            "base_digest": self.spec.model.base_digest,
+        }
+        return capture(self.module, self.optimizer, meta)
+
+    def import_state(self, state: StageState, load_optimizer: bool = True) -> None:
+        """Serve ``state`` from now on: weights, the optimizer state when its kind matches, the version."""
+        if int(state.meta.get("stage", self.stage)) != self.stage:
+            raise StateError(f"state is for stage {state.meta.get('stage')}, this runtime serves stage {self.stage}")
+        digest = state.meta.get("base_digest", "")
+        if digest and digest != self.spec.model.base_digest:
+            raise StateError(
+                f"state was trained on base {digest[:16]}, this run's base is {self.spec.model.base_digest[:16]}"
+            )
+        if self.awaiting_base:  # full fine-tuning joins with a replica's weights and needs no base download
+            if self.spec.finetune.method == "lora":
+                raise StateError("load the base weights before the adapters")
+            check_params(self.module, state)
+            self._assign({n: state.tensors[f"param.{n}"] for n in self.trainable()})
+        same_kind = (state.meta.get("optimizer") or {}).get("kind") == self.spec.optimizer.kind
+        load_into(self.module, self.optimizer if load_optimizer and same_kind else None, state)
+        self.version = max(self.version, state.version)
+        self.pending.clear()  # forwards on the old weights can no longer be differentiated exactly
+        self._snapshot = None  # the next forward must see the new weights
+
+    def blend(self, other: StageState, weight: float = 0.5) -> None:
+        """Average another replica's weights into ours (a drain hand-off): p <- (1 - w) p + w p_other."""
+        blend_into(self.module, other, weight)
+        self.version = max(self.version, other.version)
+        self._snapshot = None
+
+    def weights(self) -> list[torch.Tensor]:
+        """Copies of the trainable weights, in parameter order (the averaging round's starting point);
+        zeros of their shapes while the weights have not arrived (the averager only needs the shapes then)."""
+        return [torch.zeros(p.shape) if p.is_meta else p.detach().clone() for p in self.trainable().values()]
+
+    def add_correction(self, before: list[torch.Tensor], after: list[torch.Tensor]) -> None:
+        """Add ``after - before`` to the live weights: an averaging round's result, keeping the updates
+        made while it ran."""
+        with torch.no_grad():
+            for p, b, a in zip(self.trainable().values(), before, after):
+                p.add_(a - b)
+        self._snapshot = None
