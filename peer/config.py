@@ -99,7 +99,9 @@ class DemoConfig:
     workdir: str = opt("", "folder for logs and reports (default: runs/demo-<time>)")
     spec: str = opt("", "TOML run spec (default: built-in)")
     http_port: int = opt(0, "coordinator HTTP port (0 picks a free one)")
-    data: str = opt("", "text file or folder to train on")
+    data: str = opt("", "training data (see swarmpipe train --help)")
+    tokenizer: str = opt("", "Hugging Face tokenizer folder (default: the run's checkpoint folder)")
+    eval_every: int = opt(0, "validation loss every N completed micro-batches and at the end (0: off)")
     log_level: str = opt("INFO", "logging level")
 
 

@@ -49,9 +49,10 @@ def run_demo(cfg: DemoConfig) -> int:
         for peer in peers:
             swarm.wait_ready(peer, timeout=120)
         print(f"{len(peers)} peers serving; training")
-        trainer, report_path = swarm.start_trainer(
-            cfg.steps, *(["--data", cfg.data] if cfg.data else []), report=workdir / "report.json"
-        )
+        trainer_args = ["--data", cfg.data] if cfg.data else []
+        trainer_args += ["--tokenizer", cfg.tokenizer] if cfg.tokenizer else []
+        trainer_args += ["--eval-every", str(cfg.eval_every)] if cfg.eval_every else []
+        trainer, report_path = swarm.start_trainer(cfg.steps, *trainer_args, report=workdir / "report.json")
         bar = tqdm(total=cfg.steps, desc="training", unit="mb", dynamic_ncols=True)
         offset = 0
         while trainer.alive():
@@ -86,6 +87,9 @@ def print_summary(report: dict, workdir: Path, wall_s: float) -> None:
     fmt = lambda v: f"{v:.3f}" if isinstance(v, (int, float)) else "n/a"  # noqa: E731
     print("\n== swarmpipe demo summary ==")
     print(f"loss                 {fmt(first)} -> {fmt(last)}")
+    val = report.get("val_losses") or []
+    if val:
+        print(f"validation loss      {fmt(val[0][1])} -> {fmt(val[-1][1])} ({len(val)} evaluations)")
     print(
         f"micro-batches        completed {report.get('microbatches_completed')}, retried {report.get('microbatches_retried')}, "
         f"dropped stale {report.get('microbatches_dropped_stale')}, lost {report.get('microbatches_lost')}"

@@ -7,7 +7,6 @@ versions and outputs before and after, so they need no other traffic, and the tr
 
 from __future__ import annotations
 
-import asyncio
 import math
 import urllib.request
 
@@ -157,7 +156,7 @@ def test_bad_evaluate_requests_are_invalid_and_change_nothing(peers) -> None:
         assert (info(channel).version, info(f).version) == (v_last, v_first)
 
 
-def test_streamed_evaluate_calls_carry_the_flag(peers) -> None:
+async def test_streamed_evaluate_calls_carry_the_flag(peers) -> None:
     """Chunked streams (rpc Stream) send the whole request header: the evaluate flag arrives with it."""
     _, first, last = peers
     gen = torch.Generator().manual_seed(3)
@@ -193,7 +192,7 @@ def test_streamed_evaluate_calls_carry_the_flag(peers) -> None:
         finally:
             await pool.close()
 
-    asyncio.run(main())
+    await main()
 
 
 def test_a_trainer_reports_validation_losses_everywhere(peers) -> None:
@@ -206,7 +205,7 @@ def test_a_trainer_reports_validation_losses_everywhere(peers) -> None:
     series = report["val_losses"]
     assert series and all(math.isfinite(v) and 0 < v < 10 for _, v in series), series
     assert [s for s, _ in series] == sorted(s for s, _ in series) and series[-1][0] == steps  # the final one
-    assert all(s >= every for s, _ in series)
+    assert series[0][0] == 0 and all(s >= every for s, _ in series[1:])  # the starting weights' loss first
     assert report["val_loss"] == series[-1][1]
     evaluated = [e for e in swarm.events_of("evaluated") if e.get("role") == "trainer"]
     assert len(evaluated) == len(series) and all(e["batches"] == 3 for e in evaluated), evaluated

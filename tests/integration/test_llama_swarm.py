@@ -89,9 +89,9 @@ def test_lora_swarm_on_a_hf_checkpoint(swarm, tmp_path):
     )
     swarm.start_coordinator(spec, "--checkpoint-every", "3")
     link.unlink()  # from here on no peer can read the checkpoint locally: the swarm serves it
-    for stage in (0, 1):
-        swarm.start_peer(stage)
+    peers = [swarm.wait_ready(swarm.start_peer(stage)) for stage in (0, 1)]
     assert [e["source"] for e in events_of(swarm, "base_loaded")] == ["coordinator"] * 2
+    _hostile_base_requests(swarm, peers)
 
     trainer, report_path = swarm.start_trainer(
         60, "--data", str(text), "--tokenizer", str(real), "--eval-every", "20", "--eval-batches", "4"
@@ -182,3 +182,25 @@ def _swarm_logits(ckpt_root: Path, base: Path, tokens: torch.Tensor) -> torch.Te
         runtime.import_state(StageState(load_file(str(folder / f"stage-{stage}.safetensors")), meta))
         x = runtime.evaluate(x)
     return x
+
+
+def _hostile_base_requests(swarm, peers: list[dict]) -> None:
+    """DownloadState(base=true) for a stage that does not exist, the wrong stage or the wrong run gets a
+    clear error from the coordinator and from a peer, and changes nothing."""
+    import grpc
+
+    from swarmpipe.protos import swarm_pb2, swarm_pb2_grpc
+
+    coordinator = wait_for(lambda: swarm.api().get("coordinator", {}).get("checkpoint_server"), 30, "checkpoint server")
+    cases = [
+        (coordinator, "test", 7, grpc.StatusCode.INVALID_ARGUMENT, "stage 7 does not exist"),
+        (coordinator, "other-run", 0, grpc.StatusCode.INVALID_ARGUMENT, "wrong run id"),
+        (peers[0]["address"], "test", 1, grpc.StatusCode.FAILED_PRECONDITION, "wrong stage"),
+        (peers[0]["address"], "other-run", 0, grpc.StatusCode.FAILED_PRECONDITION, "run"),
+    ]
+    for address, run_id, stage, code, fragment in cases:
+        with grpc.insecure_channel(address) as channel:
+            request = swarm_pb2.DownloadStateRequest(run_id=run_id, stage=stage, base=True)
+            with pytest.raises(grpc.RpcError) as failure:
+                list(swarm_pb2_grpc.StageStub(channel).DownloadState(request, timeout=30))
+        assert failure.value.code() == code and fragment in failure.value.details(), (address, failure.value)
