@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from swarmpipe.peer.data.corpus import TEXT_SUFFIXES
 from swarmpipe.peer.data.errors import DataError
 from swarmpipe.peer.data.token_file import TOKEN_SUFFIXES
 from swarmpipe.peer.data.tokenizer import encode_batch
@@ -38,26 +39,35 @@ class SourceFile:
     builder: str  # "text" | "json" | "parquet"
 
 
+def _builder(path: Path) -> str | None:
+    """How a file is read: JSONL/JSON/Parquet rows, or plain text (.txt and the text suffixes the byte
+    corpus reads: .py, .md, .rst, ...)."""
+    if path.suffix in STREAM_SUFFIXES:
+        return STREAM_SUFFIXES[path.suffix]
+    return "text" if path.suffix in TEXT_SUFFIXES else None
+
+
 def stream_files(path: str | Path) -> list[SourceFile]:
-    """The file itself, or every *.txt/*.jsonl/*.json/*.parquet file under the folder, sorted."""
+    """The file itself, or every data file under the folder (rows or plain text), sorted."""
     root = Path(path).expanduser()
     if root.is_file():
-        builder = STREAM_SUFFIXES.get(root.suffix)
+        builder = _builder(root)
         if builder is None:
-            raise DataError(f"{root}: unknown data format (expected {', '.join(STREAM_SUFFIXES)})")
+            known = ", ".join(sorted(set(STREAM_SUFFIXES) | set(TEXT_SUFFIXES)))
+            raise DataError(f"{root}: unknown data format (expected one of {known})")
         return [SourceFile(root, builder)]
     if not root.is_dir():
         raise DataError(f"data path {root} does not exist")
     files = [
-        SourceFile(p, STREAM_SUFFIXES[p.suffix])
+        SourceFile(p, _builder(p))
         for p in sorted(root.rglob("*"))
         if p.is_file()
-        and p.suffix in STREAM_SUFFIXES
+        and _builder(p) is not None
         and not any(part.startswith(".") for part in p.relative_to(root).parts)
         and not _is_sidecar(p)
     ]
     if not files:
-        raise DataError(f"no {'/'.join('*' + s for s in STREAM_SUFFIXES)} files in {root}")
+        raise DataError(f"no data files (rows: {', '.join(STREAM_SUFFIXES)}; or text) in {root}")
     return files
 
 

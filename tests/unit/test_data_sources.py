@@ -120,7 +120,7 @@ def test_txt_files_stream_one_document_per_file(tmp_path, tok_dir, tok, docs):
     folder.mkdir()
     for i, doc in enumerate(docs):
         (folder / f"{i:02d}.txt").write_text(doc)
-    (folder / "notes.md").write_text("ignored: not a stream format")
+    (folder / "image.png").write_bytes(b"\x89PNG ignored: not text")
     ds = open_dataset(str(folder), SEQ, VOCAB, tokenizer=str(tok_dir), valid_sequences=3)
     assert isinstance(ds, StreamDataset) and ds.describe()["files"] == len(docs)
     ids = unpack(all_windows(ds))
@@ -313,5 +313,16 @@ def test_missing_data_and_empty_folders(tmp_path, tok_dir):
     with pytest.raises(DataError, match="does not exist"):
         open_dataset(str(tmp_path / "nope.txt"), SEQ, 256)
     (tmp_path / "empty").mkdir()
-    with pytest.raises(DataError, match=r"no \*\.txt/\*\.jsonl/\*\.json/\*\.parquet files"):
+    with pytest.raises(DataError, match="no data files"):
         open_dataset(str(tmp_path / "empty"), SEQ, VOCAB, tokenizer=str(tok_dir))
+
+
+def test_plain_text_files_of_any_text_suffix_stream_as_text(tmp_path, tok_dir):
+    source = tmp_path / "module.py"
+    source.write_text("def hello():\n    return 'world'\n" * 200)
+    ds = open_dataset(str(source), SEQ, VOCAB, tokenizer=str(tok_dir), valid_sequences=1)
+    assert isinstance(ds, StreamDataset) and ds.describe()["files"] == 1
+    binary = tmp_path / "weights.pt"
+    binary.write_bytes(b"\x00\x01")
+    with pytest.raises(DataError, match="unknown data format"):
+        open_dataset(str(binary), SEQ, VOCAB, tokenizer=str(tok_dir))
