@@ -73,17 +73,19 @@ class ProcessGroup:
         self.procs.append(launched)
         return launched
 
-    def stop_all(self, grace: float = 10.0) -> None:
-        """SIGTERM everything, wait up to ``grace``, then SIGKILL the whole process groups."""
-        for p in self.procs:
-            p.signal(signal.SIGCONT)  # a stopped process cannot handle SIGTERM
-            p.signal(signal.SIGTERM)
+    def stop_all(self, grace: float = 10.0, first: Sequence[Launched] = ()) -> None:
+        """SIGTERM everything, wait up to ``grace``, then SIGKILL the whole process groups. ``first`` are
+        stopped (and waited for, within ``grace``) before the rest get their SIGTERM."""
         deadline = time.monotonic() + grace
-        for p in self.procs:
-            try:
-                p.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                pass
+        for wave in (list(first), [p for p in self.procs if p not in first]):
+            for p in wave:
+                p.signal(signal.SIGCONT)  # a stopped process cannot handle SIGTERM
+                p.signal(signal.SIGTERM)
+            for p in wave:
+                try:
+                    p.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    pass
         for p in self.procs:
             try:
                 os.killpg(p.proc.pid, signal.SIGKILL)  # children too (hivemind's DHT process, p2pd)

@@ -276,7 +276,9 @@ class LocalSwarm:
 
     # ------------------------------------------------------------ stopping
     def stop(self, grace: float = 10.0) -> None:
-        self.group.stop_all(grace)
+        """Trainers and peers first, the coordinator last: draining peers hand their newest state to it,
+        so the last checkpoint holds the final weights."""
+        self.group.stop_all(grace, first=[p for p in self.group.procs if p is not self.coordinator])
 
     def __enter__(self) -> LocalSwarm:
         return self
