@@ -184,7 +184,7 @@ class StageServicer(swarm_pb2_grpc.StageServicer):
         async def handle() -> swarm_pb2.ForwardResponse:
             check_header(self.spec, self.runtime.stage, request.run_id, request.stage, request.microbatch_id)
             self._require_accepting()
-            if self.runtime.is_last:
+            if self.runtime.is_last and not request.evaluate:
                 raise RequestError(
                     grpc.StatusCode.INVALID_ARGUMENT, "the last stage takes ForwardBackward, not Forward"
                 )
@@ -192,7 +192,14 @@ class StageServicer(swarm_pb2_grpc.StageServicer):
             self._count_bytes(request.input, incoming=True)
             x = decode_stage_input(self.spec, self.runtime.is_first, request.input)
             mb = request.microbatch_id
-            if request.evaluate:  # validation: forward-only on the live weights, nothing kept for a backward
+            if self.runtime.is_last:  # the logits (inference through the swarm): bounded like any tensor
+                logits = x.shape[0] * x.shape[1] * self.spec.model.vocab_size
+                if logits > self.spec.limits.max_tensor_elements:
+                    raise RequestError(
+                        grpc.StatusCode.INVALID_ARGUMENT,
+                        f"{logits} logits exceed max_tensor_elements {self.spec.limits.max_tensor_elements}",
+                    )
+            if request.evaluate:  # forward-only on the live weights, nothing kept for a backward
                 out = await self._compute("evaluate", lambda: self.runtime.evaluate(x))
             else:
                 out, siblings = await self._queued(

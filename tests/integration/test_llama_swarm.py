@@ -92,6 +92,7 @@ def test_lora_swarm_on_a_hf_checkpoint(swarm, tmp_path):
     peers = [swarm.wait_ready(swarm.start_peer(stage)) for stage in (0, 1)]
     assert [e["source"] for e in events_of(swarm, "base_loaded")] == ["coordinator"] * 2
     _hostile_base_requests(swarm, peers)
+    _swarm_forward_equals_transformers(peers, real)
 
     trainer, report_path = swarm.start_trainer(
         60, "--data", str(text), "--tokenizer", str(real), "--eval-every", "20", "--eval-batches", "4"
@@ -204,3 +205,30 @@ def _hostile_base_requests(swarm, peers: list[dict]) -> None:
             with pytest.raises(grpc.RpcError) as failure:
                 list(swarm_pb2_grpc.StageStub(channel).DownloadState(request, timeout=30))
         assert failure.value.code() == code and fragment in failure.value.details(), (address, failure.value)
+
+
+def _swarm_forward_equals_transformers(peers: list[dict], base: Path) -> None:
+    """Forward-only calls through the two peers (fp32 on the wire) give LlamaForCausalLM's logits: the
+    adapters start at zero, so the swarm computes exactly the base checkpoint."""
+    import grpc
+    from transformers import AutoModelForCausalLM
+
+    from swarmpipe.peer.transport.wire import decode, encode
+    from swarmpipe.protos import swarm_pb2, swarm_pb2_grpc
+
+    tokens = torch.randint(0, 300, (2, SEQ), generator=torch.Generator().manual_seed(1))
+    x = tokens
+    for stage, peer in enumerate(peers):
+        with grpc.insecure_channel(peer["address"]) as channel:
+            request = swarm_pb2.ForwardRequest(
+                run_id="test",
+                stage=stage,
+                microbatch_id=f"eval-{stage}",
+                input=encode(x, "none"),
+                reply_codec="none",
+                evaluate=True,
+            )
+            x = decode(swarm_pb2_grpc.StageStub(channel).Forward(request, timeout=30).output)
+    with torch.no_grad():
+        expected = AutoModelForCausalLM.from_pretrained(str(base)).eval()(tokens).logits
+    torch.testing.assert_close(x, expected, atol=1e-4, rtol=1e-4)
