@@ -195,12 +195,18 @@ def default_stash_versions(spec: RunSpec, stage: int, in_flight: int) -> int:
 
 
 def estimate_stage_memory(
-    spec: RunSpec, stage: int, in_flight: int, stash_versions: int | None = None, weights_bytes: int = 4
+    spec: RunSpec,
+    stage: int,
+    in_flight: int,
+    stash_versions: int | None = None,
+    weights_bytes: int = 4,
+    activation_bytes: int | None = None,
 ) -> MemoryEstimate:
     """The memory stage ``stage`` needs with ``in_flight`` micro-batches awaiting their backward.
 
-    ``weights_bytes``: 4 for float32 (what the runtime trains in), 2 for bf16; gradients, optimizer
-    states, stashed copies and activations share the weights' dtype. Nothing is allocated."""
+    ``weights_bytes``: 4 for float32, 2 for bf16; gradients, optimizer states and stashed copies share the
+    weights' dtype. ``activation_bytes``: the compute dtype's size (default: the weights'; 2 under bf16
+    autocast with float32 weights). Nothing is allocated."""
     if in_flight < 0:
         raise ValueError("in_flight must be >= 0")
     module = shape_stage(spec, stage)
@@ -215,7 +221,7 @@ def estimate_stage_memory(
         grads=trainable * weights_bytes,
         optimizer=optimizer_bytes(named, spec.optimizer.kind, weights_bytes),
         stash=stash_versions * trainable * weights_bytes,
-        activations=_activation_bytes(spec, module, in_flight, weights_bytes),
+        activations=_activation_bytes(spec, module, in_flight, activation_bytes or weights_bytes),
         stage=stage,
         in_flight=in_flight,
         stash_versions=stash_versions,
@@ -237,12 +243,19 @@ def check_fits(estimate: MemoryEstimate, free_bytes: int, device_name: str, head
 
 
 def stages_that_fit(
-    spec: RunSpec, free_bytes: int, in_flight: int, weights_bytes: int = 4, headroom: float = DEFAULT_HEADROOM
+    spec: RunSpec,
+    free_bytes: int,
+    in_flight: int,
+    weights_bytes: int = 4,
+    headroom: float = DEFAULT_HEADROOM,
+    activation_bytes: int | None = None,
 ) -> list[int]:
     """The stages whose estimate fits in ``headroom`` of ``free_bytes`` (the candidates of ``--stage auto``)."""
     fit = []
     for stage in range(spec.num_stages):
-        estimate = estimate_stage_memory(spec, stage, in_flight, weights_bytes=weights_bytes)
+        estimate = estimate_stage_memory(
+            spec, stage, in_flight, weights_bytes=weights_bytes, activation_bytes=activation_bytes
+        )
         if estimate.total_bytes <= headroom * free_bytes:
             fit.append(stage)
     return fit

@@ -210,6 +210,8 @@ def test_bf16_weights_halve_every_part_but_adamw_step_counters():
         assert getattr(bf16, part) * 2 == getattr(fp32, part), part
     steps = 4 * sum(1 for p in shape_stage(spec, 1).parameters() if p.requires_grad)
     assert (bf16.optimizer - steps) * 2 == fp32.optimizer - steps
+    autocast = estimate_stage_memory(spec, 1, in_flight=4, activation_bytes=2)  # float32 weights, bf16 compute
+    assert (autocast.weights, autocast.activations) == (fp32.weights, bf16.activations)
 
 
 def test_a_seven_billion_parameter_spec_is_estimated_without_allocating_it():
