@@ -7,6 +7,7 @@ Field metadata ``help`` documents the flag.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 
@@ -25,7 +26,7 @@ class CommonConfig:
     announce_host: str = opt("", "address other peers should dial (default: --host)")
     log_level: str = opt("INFO", "logging level")
     event_log: str = opt("", "append JSON-lines events to this file")
-    threads: int = opt(1, "torch threads for this process")
+    threads: int = opt(0, "torch threads for this process (0: the cores it may use, by affinity and cgroup quota)")
 
 
 @dataclass
@@ -42,6 +43,7 @@ class PeerConfig(CommonConfig):
     spec_timeout: float = opt(120.0, "seconds to wait for the run spec in the DHT")
     rebalance_period: float = opt(0.0, "mean seconds between rebalancing checks (0 disables)")
     state_download: bool = opt(True, "download the stage's state from replicas or a checkpoint when joining")
+    device: str = opt("auto", "where the stage computes: auto (CUDA, then MPS, then CPU) | cpu | cuda | cuda:N | mps")
     checkpoint: str = opt(
         "",
         "local copy of the run's base Hugging Face checkpoint (default: the spec's path if it exists here, else the swarm serves it)",
@@ -121,3 +123,19 @@ class HealthcheckConfig:
     url: str = opt("", "HTTP URL that must answer 200 (e.g. a coordinator's /api/swarm)")
     timeout: float = opt(5.0, "seconds")
     log_level: str = opt("WARNING", "logging level")
+
+
+def default_threads() -> int:
+    """The cores this process may use: its CPU affinity, capped by a cgroup CPU quota (containers)."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cores = os.cpu_count() or 1
+    try:
+        with open("/sys/fs/cgroup/cpu.max") as f:
+            quota, period = f.read().split()[:2]
+        if quota != "max":
+            cores = min(cores, max(1, int(int(quota) / int(period))))
+    except (OSError, ValueError):
+        pass
+    return max(1, cores)

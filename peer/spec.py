@@ -104,6 +104,18 @@ class UpdateSpec:
     step_every: int = 1  # optimizer step every k backwards
     max_staleness: int = 32  # gradients older than this (in local steps) are dropped
     pending_ttl_s: float = 120.0  # forward records with no backward expire after this
+    # stashed weight snapshots: at most this many MiB (0: half the device's free memory on an accelerator,
+    # unbounded on the CPU beyond max_staleness); past it the oldest version's forwards are dropped (counted;
+    # their backwards are replayed on the live weights, nothing is lost)
+    max_stash_mb: int = 0
+
+
+@dataclass
+class PrecisionSpec:
+    """How stages compute (peer/stage/precision.py); the wire keeps the [compression] codecs regardless."""
+
+    compute: str = "auto"  # auto (bf16 on CUDA, fp32 elsewhere) | bf16 | fp16 (CUDA, with loss scaling) | fp32
+    weights: str = "fp32"  # fp32 (master weights and optimizer state) | bf16 (half the memory, less exact)
 
 
 @dataclass
@@ -147,6 +159,7 @@ class RunSpec:
     optimizer: OptimizerSpec = field(default_factory=OptimizerSpec)
     update: UpdateSpec = field(default_factory=UpdateSpec)
     batching: BatchingSpec = field(default_factory=BatchingSpec)
+    precision: PrecisionSpec = field(default_factory=PrecisionSpec)
     compression: CompressionSpec = field(default_factory=CompressionSpec)
     limits: LimitsSpec = field(default_factory=LimitsSpec)
 
@@ -203,6 +216,13 @@ class RunSpec:
             raise SpecError(f"unknown optimizer kind {self.optimizer.kind!r}")
         if self.microbatch_size < 1 or self.update.step_every < 1:
             raise SpecError("microbatch_size and update.step_every must be >= 1")
+        p = self.precision
+        if p.compute not in ("auto", "bf16", "fp16", "fp32") or p.weights not in ("fp32", "bf16"):
+            raise SpecError("precision: compute must be auto|bf16|fp16|fp32 and weights fp32|bf16")
+        if p.weights == "bf16" and p.compute not in ("auto", "bf16"):
+            raise SpecError("precision: bf16 weights need bf16 compute (autocast)")
+        if self.update.max_stash_mb < 0:
+            raise SpecError("update.max_stash_mb must be >= 0")
         b = self.batching
         if b.max_microbatches < 1 or not 0 <= b.wait_ms <= 1000 or not 0 <= b.backward_wait_ms <= 1000:
             raise SpecError("batching: max_microbatches must be >= 1 and waits within 0..1000 ms")

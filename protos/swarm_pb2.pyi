@@ -113,7 +113,7 @@ class InfoRequest(_message.Message):
     def __init__(self, run_id: _Optional[str] = ...) -> None: ...
 
 class InfoResponse(_message.Message):
-    __slots__ = ("peer_id", "stage", "version", "throughput", "queue", "state", "samples_processed", "dropped_stale", "busy_seconds", "cpu_seconds", "batches", "batched_microbatches", "protocol")
+    __slots__ = ("peer_id", "stage", "version", "throughput", "queue", "state", "samples_processed", "dropped_stale", "busy_seconds", "cpu_seconds", "batches", "batched_microbatches", "protocol", "device", "device_memory_total", "device_memory_used", "stash_bytes")
     PEER_ID_FIELD_NUMBER: _ClassVar[int]
     STAGE_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -127,6 +127,10 @@ class InfoResponse(_message.Message):
     BATCHES_FIELD_NUMBER: _ClassVar[int]
     BATCHED_MICROBATCHES_FIELD_NUMBER: _ClassVar[int]
     PROTOCOL_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_MEMORY_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_MEMORY_USED_FIELD_NUMBER: _ClassVar[int]
+    STASH_BYTES_FIELD_NUMBER: _ClassVar[int]
     peer_id: str
     stage: int
     version: int
@@ -140,7 +144,11 @@ class InfoResponse(_message.Message):
     batches: int
     batched_microbatches: int
     protocol: int
-    def __init__(self, peer_id: _Optional[str] = ..., stage: _Optional[int] = ..., version: _Optional[int] = ..., throughput: _Optional[float] = ..., queue: _Optional[int] = ..., state: _Optional[str] = ..., samples_processed: _Optional[int] = ..., dropped_stale: _Optional[int] = ..., busy_seconds: _Optional[float] = ..., cpu_seconds: _Optional[float] = ..., batches: _Optional[int] = ..., batched_microbatches: _Optional[int] = ..., protocol: _Optional[int] = ...) -> None: ...
+    device: str
+    device_memory_total: int
+    device_memory_used: int
+    stash_bytes: int
+    def __init__(self, peer_id: _Optional[str] = ..., stage: _Optional[int] = ..., version: _Optional[int] = ..., throughput: _Optional[float] = ..., queue: _Optional[int] = ..., state: _Optional[str] = ..., samples_processed: _Optional[int] = ..., dropped_stale: _Optional[int] = ..., busy_seconds: _Optional[float] = ..., cpu_seconds: _Optional[float] = ..., batches: _Optional[int] = ..., batched_microbatches: _Optional[int] = ..., protocol: _Optional[int] = ..., device: _Optional[str] = ..., device_memory_total: _Optional[int] = ..., device_memory_used: _Optional[int] = ..., stash_bytes: _Optional[int] = ...) -> None: ...
 
 class DownloadStateRequest(_message.Message):
     __slots__ = ("run_id", "stage", "shard", "num_shards", "base")

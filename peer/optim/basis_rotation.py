@@ -37,15 +37,20 @@ def is_rotated_param(name: str, param: torch.Tensor) -> bool:
     return param.dim() == 2 and name.startswith(("blocks.", "layers."))
 
 
+def _wide(m: torch.Tensor) -> torch.Tensor:
+    return m if m.dtype in (torch.float32, torch.float64) else m.float()
+
+
 def _sorted_eigh(m: torch.Tensor) -> torch.Tensor:
     """Eigenvectors of a symmetric matrix as columns, by descending eigenvalue."""
-    _, vecs = torch.linalg.eigh(m)
-    return vecs.flip(-1).contiguous()
+    _, vecs = torch.linalg.eigh(_wide(m))  # no half-precision eigh (bf16 weights)
+    return vecs.flip(-1).contiguous().to(m.dtype)
 
 
 def _power_step(m: torch.Tensor, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """One power-iteration step with re-orthogonalisation; returns (new basis, permutation)."""
-    q_new, _ = torch.linalg.qr(m @ q)
+    q_new, _ = torch.linalg.qr(_wide(m @ q))
+    q_new = q_new.to(m.dtype)
     estimates = (q_new * (m @ q_new)).sum(dim=0)  # diag(Q^T M Q) without the full product
     order = torch.argsort(estimates, descending=True)
     return q_new[:, order].contiguous(), order

@@ -10,10 +10,11 @@ import signal
 
 import torch
 
-from swarmpipe.peer.config import PeerConfig
+from swarmpipe.peer.config import PeerConfig, default_threads
 from swarmpipe.peer.events import EventLog
 from swarmpipe.peer.stage.averaging import ReplicaAverager
 from swarmpipe.peer.stage.base_weights import load_base_weights
+from swarmpipe.peer.stage.device import device_info, memory_in_use, resolve_device
 from swarmpipe.peer.stage.lifecycle import Lifecycle
 from swarmpipe.peer.stage.metrics import PeerMetrics
 from swarmpipe.peer.stage.rebalancer import Rebalancer
@@ -51,7 +52,9 @@ class PeerDaemon:
     # ------------------------------------------------------------ lifecycle
     async def run(self) -> int:
         cfg = self.cfg
-        torch.set_num_threads(max(1, cfg.threads))
+        torch.set_num_threads(cfg.threads or default_threads())
+        self.device = resolve_device(cfg.device)  # before anything starts: a wrong --device ends here
+        self.device_info = device_info(self.device)
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.stop_requested.set)
@@ -87,8 +90,12 @@ class PeerDaemon:
         stage = cfg.stage if cfg.stage >= 0 else choose_stage(await self.swarm.all_stages(spec.num_stages))
         if stage >= spec.num_stages:
             raise ValueError(f"--stage {stage} does not exist: run {run_id!r} has {spec.num_stages} stages")
-        self.events.emit("joining", run_id=run_id, stage=stage)
-        runtime = StageRuntime(spec, stage, base_dir=cfg.checkpoint)
+        self.events.emit(
+            "joining", run_id=run_id, stage=stage, device=self.device_info.describe(), threads=torch.get_num_threads()
+        )
+        runtime = StageRuntime(
+            spec, stage, base_dir=cfg.checkpoint, device=self.device, stash_bound_bytes=self.stash_bound(spec)
+        )
         # The averager forks a process: it must exist before the gRPC server starts.
         self.averager = ReplicaAverager(self.dht, runtime, self.events) if spec.averaging_interval_s > 0 else None
         metrics = PeerMetrics()
@@ -199,7 +206,21 @@ class PeerDaemon:
             updated_at=now(),
             metrics_address=self.metrics_address,
             protocol=WIRE_PROTOCOL,
+            device=self.device_label,
+            device_memory_total=self.device_info.total_bytes,
+            device_memory_used=memory_in_use(self.device),
         )
+
+    @property
+    def device_label(self) -> str:
+        return f"{self.device_info.name} ({self.device_info.label})"[:80]
+
+    def stash_bound(self, spec) -> int:
+        """Bytes the stashed snapshots may take: the spec's bound, else half the accelerator's free memory
+        (on the CPU none beyond max_staleness: the host swaps before it crashes, and tests run there)."""
+        if spec.update.max_stash_mb:
+            return spec.update.max_stash_mb << 20
+        return self.device_info.free_bytes // 2 if self.device.type != "cpu" else 0
 
     @property
     def record_ttl(self) -> float:

@@ -46,6 +46,11 @@ class PeerMetrics:
         self.throughput = Gauge(
             "swarmpipe_throughput_microbatches_per_second", "Measured compute throughput", registry=r
         )
+        self.device_memory = Gauge(
+            "swarmpipe_device_memory_bytes", "Memory this peer holds on its device (CPU: resident)", registry=r
+        )
+        self.stash_bytes = Gauge("swarmpipe_stash_bytes", "Bytes of stashed weight snapshots", registry=r)
+        self.stash_versions = Gauge("swarmpipe_stash_versions", "Stashed weight versions held", registry=r)
 
     def serve(self, port: int, host: str = "0.0.0.0") -> int:
         """Start the /metrics endpoint; returns the bound port (port 0 picks a free one)."""

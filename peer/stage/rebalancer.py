@@ -76,7 +76,11 @@ class Rebalancer:
         host.events.emit("rebalancing", from_stage=old.stage, to_stage=target, estimate=round(estimate, 2))
         await host.announce_as(target, host.record(state=PeerState.JOINING, throughput=estimate))
         # built off the event loop; it owns its own thread
-        new = await old.run(lambda: StageRuntime(spec, target, base_dir=old.base_dir))
+        new = await old.run(
+            lambda: StageRuntime(
+                spec, target, base_dir=old.base_dir, device=old.device, stash_bound_bytes=old.stash_bound_bytes
+            )
+        )
         new.assume_throughput(estimate)  # others must count us at the new stage right away, not as zero
         await load_initial_state(host.swarm, new, host.events)
         await host.finish_in_flight()  # old stage: refuse new work, finish what we hold

@@ -28,6 +28,8 @@ from torch.func import functional_call
 from swarmpipe.peer.model import build_stage, has_base_checkpoint, lm_loss
 from swarmpipe.peer.optim import build_optimizer, set_learning_rate
 from swarmpipe.peer.spec import RunSpec
+from swarmpipe.peer.stage.device import to_device, to_host
+from swarmpipe.peer.stage.precision import LossScale, resolve_precision
 from swarmpipe.peer.stage.stash import (  # noqa: F401 (BackwardResult, UnknownMicrobatch: part of this API)
     BackwardResult,
     ForwardGroup,
@@ -41,10 +43,22 @@ T = TypeVar("T")
 
 
 class StageRuntime(StageWeights):
-    def __init__(self, spec: RunSpec, stage: int, max_pending: int = 256, base_dir: str = ""):
+    def __init__(
+        self,
+        spec: RunSpec,
+        stage: int,
+        max_pending: int = 256,
+        base_dir: str = "",
+        device: torch.device | str | None = None,
+        stash_bound_bytes: int = 0,
+    ):
         self.spec = spec
         self.stage = stage
         self.base_dir = base_dir  # a local copy of the base checkpoint (peer --checkpoint), if any
+        self.device = torch.device(device or "cpu")
+        self.precision = resolve_precision(spec.precision, self.device)
+        self.loss_scale = LossScale(self.precision.scaled)
+        self.stash_bound_bytes = stash_bound_bytes  # 0: no bound beyond max_staleness
         # A stage whose weights come from a checkpoint is built empty (meta tensors, no memory) and gets its
         # weights from load_base or import_state: the peer never holds a random copy next to the real one.
         self.awaiting_base = has_base_checkpoint(spec)
@@ -52,6 +66,8 @@ class StageRuntime(StageWeights):
         self.module.train()
         self.is_first = self.module.is_first
         self.is_last = self.module.is_last
+        if not self.awaiting_base:
+            self._place()  # on the device, in the weights' dtype
         self.optimizer = build_optimizer(self.module.named_parameters(), spec.optimizer, stage, spec.num_stages)
         # Weight stashing (the default): a forward keeps its weight snapshot and graph, so its backward is
         # exact. Without (optimizer.stash = false) nothing but the input is kept, and the backward
@@ -84,9 +100,35 @@ class StageRuntime(StageWeights):
     def _params_snapshot(self) -> dict[str, torch.Tensor]:
         """Detached copies of the live weights at the current version, shared by its forwards."""
         if self._snapshot is None or self._snapshot[0] != self.version:
+            self._bound_stash()
             params = {n: p.detach().clone().requires_grad_(True) for n, p in self.trainable().items()}
             self._snapshot = (self.version, params)
         return self._snapshot[1]
+
+    def stashed_versions(self) -> list[dict[str, torch.Tensor]]:
+        """The distinct weight snapshots pending forwards hold, oldest first."""
+        seen: dict[int, dict[str, torch.Tensor]] = {}
+        for group in list(self.pending.values()):  # a copy: the event loop reads this for metrics
+            if group.params is not None:
+                seen.setdefault(id(group.params), group.params)
+        return list(seen.values())
+
+    def stash_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for params in self.stashed_versions() for t in params.values())
+
+    def _bound_stash(self) -> None:
+        """Before a new snapshot: drop the oldest stashed versions' forwards while one more snapshot would
+        pass ``stash_bound_bytes`` (counted; their backwards come back unknown and the trainer replays
+        them on the live weights, so nothing is lost and memory never runs out)."""
+        if not self.stash_bound_bytes:
+            return
+        size = sum(p.numel() * p.element_size() for p in self.trainable().values())
+        versions = self.stashed_versions()
+        while versions and (len(versions) + 1) * size > self.stash_bound_bytes:
+            oldest = versions.pop(0)
+            for mb in [mb for mb, g in self.pending.items() if g.params is oldest]:
+                self._forget(mb)
+                self.stats.dropped_stash_bound += 1
 
     def forward(self, microbatch_id: str, inputs: torch.Tensor) -> torch.Tensor:
         return self.forward_many([(microbatch_id, inputs)])[0]
@@ -103,14 +145,16 @@ class StageRuntime(StageWeights):
         for mb in ids:
             self._forget(mb)  # a retried forward replaces the old record
         joined, slices = concat_rows([x for _, x in items])
+        joined = to_device(joined, self.device)
         if self.stash:
             params = self._params_snapshot()
             x = joined if self.is_first else joined.detach().float().requires_grad_(True)
-            output = functional_call(self.module, params, (x,))
+            with self.precision.context():
+                output = functional_call(self.module, params, (x,))
         else:  # no stash: keep only the input; the backward recomputes on the weights live then
             params = None
             x = joined if self.is_first else joined.detach().float()
-            with torch.no_grad():
+            with torch.no_grad(), self.precision.context():
                 output = self.module(x)
         rows = dict(zip(ids, slices))
         group = ForwardGroup(self.version, self.stats.steps, x, output, params, time.monotonic(), rows, set(ids))
@@ -121,7 +165,7 @@ class StageRuntime(StageWeights):
             self.stats.expired += 1
         self.stats.forwards += len(items)
         self._observe(time.perf_counter() - started, x.shape[0], weight=1 / 3, microbatches=len(items))
-        detached = output.detach()
+        detached = to_host(output.detach().float())  # the reply leaves from the host
         return [detached[rows[mb]] for mb in ids]
 
     def backward(self, microbatch_id: str, grad_output: torch.Tensor) -> BackwardResult:
@@ -167,18 +211,20 @@ class StageRuntime(StageWeights):
         ):  # all owed members are here: one backward, the group's graph
             grad_full = torch.zeros_like(group.output)
             for _, mb, grad in members:
-                grad_full[group.rows[mb]] = grad.to(grad_full.dtype)
+                grad_full[group.rows[mb]] = to_device(grad, self.device).to(grad_full.dtype)
             x, output, grad_output, params = group.inputs, group.output, grad_full, group.params
             rows = {mb: group.rows[mb] for mb in ids}
         else:  # siblings are still out (or no stash): recompute just these rows
             params = group.params if group.params is not None else self.trainable()
             joined, slices = concat_rows([group.inputs[group.rows[mb]].detach() for mb in ids])
             x = joined if self.is_first else joined.requires_grad_(True)
-            output = functional_call(self.module, params, (x,))
-            grad_output = torch.cat([g.to(output.dtype) for _, _, g in members])
+            with self.precision.context():
+                output = functional_call(self.module, params, (x,))
+            grad_output = torch.cat([to_device(g, self.device).to(output.dtype) for _, _, g in members])
             rows = dict(zip(ids, slices))
             self.stats.recomputed += len(ids) if group.params is not None else 0
         grad_input, param_grads = self._differentiate(output, grad_output, x, params)
+        grad_input = None if grad_input is None else to_host(grad_input.float())
         shared = self._apply(param_grads, self.stats.steps - group.step, count=len(ids))
         self._observe(
             time.perf_counter() - started,
@@ -208,21 +254,31 @@ class StageRuntime(StageWeights):
         """Gradients of ``output`` (a scalar loss when ``grad_output`` is None) for the input and the weights."""
         names = list(params)
         wrt = ([] if self.is_first else [x]) + [params[n] for n in names]
-        grads = torch.autograd.grad(output, wrt, grad_output, allow_unused=True)
+        if grad_output is None:
+            output = self.loss_scale.scale_loss(output)
+        else:
+            grad_output = self.loss_scale.scale_grad(grad_output)
+        grads = list(torch.autograd.grad(output, wrt, grad_output, allow_unused=True))
+        if not self.loss_scale.unscale(grads):  # fp16 overflow: the step is skipped (non-finite), none sent on
+            grads = [None if g is None else torch.full_like(g, float("nan")) for g in grads]
+            if not self.is_first:
+                grads[0] = torch.zeros_like(x)
         grad_input = None if self.is_first else grads[0]
         return grad_input, dict(zip(names, grads[0 if self.is_first else 1 :]))
 
     def replay_backward(self, inputs: torch.Tensor, grad_output: torch.Tensor) -> BackwardResult:
         """Backward for a forward that ran on another (vanished) replica: recompute here on live weights."""
         started = time.perf_counter()
+        inputs, grad_output = to_device(inputs, self.device), to_device(grad_output, self.device)
         x = inputs if self.is_first else inputs.detach().float().requires_grad_(True)
-        output = self.module(x)
+        with self.precision.context():
+            output = self.module(x)
         if grad_output.shape != output.shape:
             raise ValueError(f"grad_output shape {list(grad_output.shape)} does not match output {list(output.shape)}")
         grad_input, param_grads = self._differentiate(output, grad_output.to(output.dtype), x, self.trainable())
         self.stats.replays += 1
         result = self._apply(param_grads, 0)
-        result.grad_input = grad_input
+        result.grad_input = None if grad_input is None else to_host(grad_input.float())
         self._observe(time.perf_counter() - started, inputs.shape[0], weight=1.0)
         return result
 
@@ -259,10 +315,14 @@ class StageRuntime(StageWeights):
             return results  # type: ignore[return-value]
         started = time.perf_counter()
         joined, rows = concat_rows([items[i][0] for i in good])
+        joined = to_device(joined, self.device)
         x = joined if self.is_first else joined.detach().float().requires_grad_(True)
-        logits = self.module(x)
-        losses = [lm_loss(logits[r], items[i][1]) for r, i in zip(rows, good)]
+        with self.precision.context():
+            logits = self.module(x)
+            losses = [lm_loss(logits[r], to_device(items[i][1], self.device)) for r, i in zip(rows, good)]
         grad_input, param_grads = self._differentiate(torch.stack(losses).sum(), None, x, self.trainable())
+        grad_input = None if grad_input is None else to_host(grad_input.float())
+        loss_values = torch.stack(losses).detach().float().cpu().tolist()
         self.stats.forwards += len(good)
         shared = self._apply(param_grads, 0, count=len(good))
         for k, (r, i) in enumerate(zip(rows, good)):
@@ -271,7 +331,7 @@ class StageRuntime(StageWeights):
                 0,
                 shared.applied,
                 shared.dropped_reason,
-                loss=float(losses[k].detach()),
+                loss=loss_values[k],
             )
         self._observe(time.perf_counter() - started, x.shape[0], weight=1.0, microbatches=len(good))
         return results  # type: ignore[return-value]
@@ -288,10 +348,13 @@ class StageRuntime(StageWeights):
             and (targets.min() < 0 or targets.max() >= self.spec.model.vocab_size)
         ):
             raise ValueError(f"targets must lie in [0, {self.spec.model.vocab_size})")
-        with torch.no_grad():
+        inputs = to_device(inputs, self.device)
+        with torch.no_grad(), self.precision.context():
             output = self.module(inputs if self.is_first else inputs.detach().float())
             self.stats.evaluations += 1
-            return lm_loss(output, targets) if targets is not None and self.is_last else output
+            if targets is not None and self.is_last:
+                return to_host(lm_loss(output, to_device(targets, self.device)).float())
+            return to_host(output.float())
 
     # ---------------------------------------------------------------- updates
     def _apply(self, grads: dict[str, torch.Tensor | None], delay: int, count: int = 1) -> BackwardResult:

@@ -24,6 +24,7 @@ import grpc
 import torch
 
 from swarmpipe.peer.stage.coalescer import Coalescer
+from swarmpipe.peer.stage.device import device_info, memory_in_use
 from swarmpipe.peer.stage.lifecycle import Lifecycle
 from swarmpipe.peer.stage.metrics import PeerMetrics
 from swarmpipe.peer.stage.request_checks import (
@@ -64,7 +65,9 @@ class StageServicer(swarm_pb2_grpc.StageServicer):
         self.in_flight = 0
         self.donor = DonorSnapshot()  # one export serves every shard of a joiner's download
         self._reported_steps = runtime.stats.steps
+        self._reported_stash_drops = 0
         self.on_state_pushed: Callable[[StageState], None] | None = None  # hook for the event log
+        self.device_total = device_info(runtime.device).total_bytes  # read once: Info is polled often
         batching = runtime.spec.batching
         self.siblings = SiblingWaits(lambda: self.runtime.pending, lambda: self.spec.batching.backward_wait_ms)
         self.forwards = self._coalescer("forward", self._run_forwards, batching.wait_ms)
@@ -176,6 +179,13 @@ class StageServicer(swarm_pb2_grpc.StageServicer):
         self._reported_steps = self.runtime.stats.steps
         self.metrics.version.set(self.runtime.version)
         self.metrics.throughput.set(self.runtime.throughput())
+        stash_drops = self.runtime.stats.dropped_stash_bound
+        if stash_drops > self._reported_stash_drops:  # forwards dropped to keep the stash bound (replayed)
+            self.metrics.dropped.labels("stash_bound").inc(stash_drops - self._reported_stash_drops)
+            self._reported_stash_drops = stash_drops
+        self.metrics.stash_versions.set(len(self.runtime.stashed_versions()))
+        self.metrics.stash_bytes.set(self.runtime.stash_bytes())
+        self.metrics.device_memory.set(memory_in_use(self.runtime.device))
 
     # ------------------------------------------------------------ RPCs
     async def Forward(
@@ -307,6 +317,10 @@ class StageServicer(swarm_pb2_grpc.StageServicer):
             batches=sum(c.stats.batches for c in self._coalescers()),
             batched_microbatches=sum(c.stats.items for c in self._coalescers()),
             protocol=WIRE_PROTOCOL,
+            device=str(self.runtime.device),
+            device_memory_total=self.device_total,
+            device_memory_used=memory_in_use(self.runtime.device),
+            stash_bytes=self.runtime.stash_bytes(),
         )
 
     def _coalescers(self) -> tuple[Coalescer, ...]:

@@ -62,6 +62,7 @@ class RuntimeStats:
     dropped_nonfinite: int = 0
     recomputed: int = 0  # backwards of batched forwards whose siblings came apart (one extra forward each)
     expired: int = 0
+    dropped_stash_bound: int = 0  # forwards whose stashed version was dropped to keep the stash bound
     evaluations: int = 0  # forward-only validation calls (no record, no update)
     samples: int = 0
     busy_seconds: float = 0.0  # time spent computing: busy fraction = its rate of change

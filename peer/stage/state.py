@@ -65,13 +65,16 @@ def trainable(module: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter]]:
 
 def capture(module: torch.nn.Module, optimizer: torch.optim.Optimizer, meta: dict[str, Any]) -> StageState:
     """Copies of a module's trainable weights and its optimizer's state; ``meta`` names run, stage, version."""
-    tensors: dict[str, torch.Tensor] = {f"param.{n}": p.detach().clone() for n, p in trainable(module)}
+    # host copies in fp32 whatever the device and weights dtype: states travel and are saved as such
+    tensors: dict[str, torch.Tensor] = {
+        f"param.{n}": p.detach().to("cpu", torch.float32, copy=True) for n, p in trainable(module)
+    }
     opt = optimizer.state_dict()
     scalars: dict[str, dict[str, Any]] = {}
     for index, entry in opt["state"].items():
         for key, value in entry.items():
             if torch.is_tensor(value):
-                tensors[f"optim.{index}.{key}"] = value.detach().clone()
+                tensors[f"optim.{index}.{key}"] = value.detach().to("cpu", copy=True)
             else:
                 scalars.setdefault(str(index), {})[key] = value
     meta = dict(meta)
@@ -104,7 +107,7 @@ def blend_into(module: torch.nn.Module, other: StageState, weight: float) -> Non
     check_params(module, other, what="cannot average: state")
     with torch.no_grad():
         for name, p in trainable(module):
-            p.mul_(1 - weight).add_(other.tensors[f"param.{name}"].to(p.dtype), alpha=weight)
+            p.mul_(1 - weight).add_(other.tensors[f"param.{name}"].to(p.device, p.dtype), alpha=weight)
 
 
 def _optimizer_state_dict(state: StageState, opt_meta: dict[str, Any]) -> dict[str, Any]:

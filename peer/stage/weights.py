@@ -18,6 +18,7 @@ from swarmpipe.peer.stage.state import StageState, StateError, blend_into, captu
 
 if TYPE_CHECKING:
     from swarmpipe.peer.spec import RunSpec
+    from swarmpipe.peer.stage.precision import Precision
 
 
 class StageWeights:
@@ -25,6 +26,8 @@ class StageWeights:
 
     spec: RunSpec
     stage: int
+    device: torch.device
+    precision: Precision
     module: torch.nn.Module
     optimizer: torch.optim.Optimizer
     version: int
@@ -60,13 +63,23 @@ class StageWeights:
             owner, _, leaf = name.rpartition(".")
             module = self.module.get_submodule(owner) if owner else self.module
             old = getattr(module, leaf)
-            setattr(module, leaf, torch.nn.Parameter(value.detach().float().contiguous(), old.requires_grad))
+            weights = value.detach().to(self.device, self.precision.weights).contiguous()
+            setattr(module, leaf, torch.nn.Parameter(weights, old.requires_grad))
         self.awaiting_base = any(p.is_meta for p in self.module.parameters())
+        if not self.awaiting_base:
+            self._place()  # the adapters and buffers too
         # the optimizer held the replaced parameters (it has no state yet: nothing trained before the weights)
         self.optimizer = build_optimizer(
             self.module.named_parameters(), self.spec.optimizer, self.stage, self.spec.num_stages
         )
         self._snapshot = None
+
+    def _place(self) -> None:
+        """Every parameter and buffer on the runtime's device, floating parameters in the weights' dtype."""
+        self.module.to(self.device)
+        for p in self.module.parameters():
+            if p.is_floating_point() and p.dtype != self.precision.weights:
+                p.data = p.data.to(self.precision.weights)
 
     def export_base(self) -> StageState:
         """The frozen base weights (params only), for a joiner without the checkpoint files. Only while they
@@ -79,7 +92,7 @@ class StageWeights:
         meta = {"run_id": self.spec.run_id, "stage": self.stage, "version": 0, "base": True}
         meta["base_digest"] = self.spec.model.base_digest
         # frozen tensors, never written in place: shared, not copied
-        return StageState({f"param.{n}": params[n].detach() for n in self.base_names()}, meta)
+        return StageState({f"param.{n}": params[n].detach().cpu() for n in self.base_names()}, meta)
 
     def export_state(self) -> StageState:
         """A consistent copy of the trainable weights, optimizer state and version."""
@@ -122,12 +135,15 @@ class StageWeights:
     def weights(self) -> list[torch.Tensor]:
         """Copies of the trainable weights, in parameter order (the averaging round's starting point);
         zeros of their shapes while the weights have not arrived (the averager only needs the shapes then)."""
-        return [torch.zeros(p.shape) if p.is_meta else p.detach().clone() for p in self.trainable().values()]
+        return [
+            torch.zeros(p.shape) if p.is_meta else p.detach().to("cpu", torch.float32, copy=True)
+            for p in self.trainable().values()
+        ]
 
     def add_correction(self, before: list[torch.Tensor], after: list[torch.Tensor]) -> None:
         """Add ``after - before`` to the live weights: an averaging round's result, keeping the updates
         made while it ran."""
         with torch.no_grad():
             for p, b, a in zip(self.trainable().values(), before, after):
-                p.add_(a - b)
+                p.add_((a - b).to(p.device, p.dtype))
         self._snapshot = None

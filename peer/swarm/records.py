@@ -56,6 +56,9 @@ class StageRecord(Record):
     updated_at: float
     metrics_address: str = ""
     protocol: int = Field(ge=0, le=1_000_000, default=0)
+    device: str = Field(default="", max_length=80)  # "cuda:0 (NVIDIA H200)", "cpu"
+    device_memory_total: int = Field(ge=0, le=1 << 50, default=0)  # bytes
+    device_memory_used: int = Field(ge=0, le=1 << 50, default=0)
 
     @field_serializer("state")
     def _state_as_string(self, state: PeerState) -> str:

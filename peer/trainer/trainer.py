@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from swarmpipe.peer.config import TrainerConfig
+from swarmpipe.peer.config import TrainerConfig, default_threads
 from swarmpipe.peer.data import MicrobatchStream, open_dataset
 from swarmpipe.peer.events import EventLog
 from swarmpipe.peer.spec import RunSpec
@@ -55,7 +55,7 @@ class Trainer:
 
     async def run(self) -> dict[str, Any]:
         cfg = self.cfg
-        torch.set_num_threads(max(1, cfg.threads))
+        torch.set_num_threads(cfg.threads or default_threads())
         # SIGTERM / Ctrl-C: stop starting micro-batches, finish those in flight, write the report.
         self.stop_requested = asyncio.Event()
         for sig in (signal.SIGTERM, signal.SIGINT):

@@ -8,6 +8,7 @@ waits for them, reads the coordinator's API and the shared event log, and stops 
 from __future__ import annotations
 
 import json
+import os
 import textwrap
 import urllib.request
 from collections.abc import Mapping
@@ -116,7 +117,9 @@ class LocalSwarm:
 
     def __post_init__(self) -> None:
         self.workdir = Path(self.workdir)
-        self.group = ProcessGroup(self.workdir, env={"SWARMPIPE_LOG_LEVEL": self.log_level})
+        # every role shares this machine's cores: one torch thread each unless the caller says otherwise
+        env = {"SWARMPIPE_LOG_LEVEL": self.log_level, "SWARMPIPE_THREADS": os.environ.get("SWARMPIPE_THREADS", "1")}
+        self.group = ProcessGroup(self.workdir, env=env)
         self.events = self.workdir / "events.jsonl"
 
     def write_spec(
