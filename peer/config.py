@@ -44,6 +44,7 @@ class PeerConfig(CommonConfig):
     rebalance_period: float = opt(0.0, "mean seconds between rebalancing checks (0 disables)")
     state_download: bool = opt(True, "download the stage's state from replicas or a checkpoint when joining")
     device: str = opt("auto", "where the stage computes: auto (CUDA, then MPS, then CPU) | cpu | cuda | cuda:N | mps")
+    max_memory_mb: int = opt(0, "memory this peer may use on its device, MiB (0: what the device has free)")
     checkpoint: str = opt(
         "",
         "local copy of the run's base Hugging Face checkpoint (default: the spec's path if it exists here, else the swarm serves it)",

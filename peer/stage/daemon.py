@@ -16,7 +16,9 @@ from swarmpipe.peer.stage.averaging import ReplicaAverager
 from swarmpipe.peer.stage.base_weights import load_base_weights
 from swarmpipe.peer.stage.device import device_info, memory_in_use, resolve_device
 from swarmpipe.peer.stage.lifecycle import Lifecycle
+from swarmpipe.peer.stage.memory import check_fits, estimate_stage_memory, stages_that_fit
 from swarmpipe.peer.stage.metrics import PeerMetrics
+from swarmpipe.peer.stage.precision import resolve_precision
 from swarmpipe.peer.stage.rebalancer import Rebalancer
 from swarmpipe.peer.stage.runtime import StageRuntime
 from swarmpipe.peer.stage.server import StageServicer, start_server
@@ -87,9 +89,20 @@ class PeerDaemon:
         run_id = cfg.run_id or await self._pick_run()
         self.swarm = SwarmDHT(self.dht, run_id)
         spec = await self.swarm.wait_for_spec(cfg.spec_timeout, initial_peers=self.initial_peers)
-        stage = cfg.stage if cfg.stage >= 0 else choose_stage(await self.swarm.all_stages(spec.num_stages))
-        if stage >= spec.num_stages:
-            raise ValueError(f"--stage {stage} does not exist: run {run_id!r} has {spec.num_stages} stages")
+        if cfg.stage >= spec.num_stages:
+            raise ValueError(f"--stage {cfg.stage} does not exist: run {run_id!r} has {spec.num_stages} stages")
+        budget = self.memory_budget()
+        if cfg.stage >= 0:
+            stage = cfg.stage
+            check_fits(self.memory_estimate(spec, stage), budget, self.device_label)  # refuse before serving
+        else:  # the neediest stage among those that fit here
+            fitting = stages_that_fit(
+                spec, budget, self.in_flight(spec), self.weights_bytes(spec), activation_bytes=self.act_bytes(spec)
+            )
+            if not fitting:
+                smallest = min(range(spec.num_stages), key=lambda s: self.memory_estimate(spec, s).total_bytes)
+                check_fits(self.memory_estimate(spec, smallest), budget, self.device_label)
+            stage = choose_stage(await self.swarm.all_stages(spec.num_stages), allowed=fitting)
         self.events.emit(
             "joining", run_id=run_id, stage=stage, device=self.device_info.describe(), threads=torch.get_num_threads()
         )
@@ -215,12 +228,40 @@ class PeerDaemon:
     def device_label(self) -> str:
         return f"{self.device_info.name} ({self.device_info.label})"[:80]
 
+    # ------------------------------------------------------------ memory
+    def memory_budget(self) -> int:
+        """Bytes this peer may use on its device: --max-memory-mb, else what the device has free."""
+        free = self.device_info.free_bytes
+        return min(free, self.cfg.max_memory_mb << 20) if self.cfg.max_memory_mb else free
+
+    @staticmethod
+    def in_flight(spec) -> int:
+        return 2 * spec.num_stages  # the trainer's default: micro-batches a stage may hold at once
+
+    @staticmethod
+    def weights_bytes(spec) -> int:
+        return 2 if spec.precision.weights == "bf16" else 4
+
+    def act_bytes(self, spec) -> int:
+        return 2 if resolve_precision(spec.precision, self.device).autocast else 4
+
+    def memory_estimate(self, spec, stage: int):
+        return estimate_stage_memory(
+            spec,
+            stage,
+            self.in_flight(spec),
+            weights_bytes=self.weights_bytes(spec),
+            activation_bytes=self.act_bytes(spec),
+        )
+
     def stash_bound(self, spec) -> int:
         """Bytes the stashed snapshots may take: the spec's bound, else half the accelerator's free memory
         (on the CPU none beyond max_staleness: the host swaps before it crashes, and tests run there)."""
         if spec.update.max_stash_mb:
             return spec.update.max_stash_mb << 20
-        return self.device_info.free_bytes // 2 if self.device.type != "cpu" else 0
+        if self.cfg.max_memory_mb or self.device.type != "cpu":
+            return self.memory_budget() // 2
+        return 0
 
     @property
     def record_ttl(self) -> float:

@@ -23,13 +23,19 @@ def stage_throughputs(stages: list[dict[str, StageRecord]], exclude: str = "") -
     return totals
 
 
-def choose_stage(stages: list[dict[str, StageRecord]], rng: random.Random | None = None) -> int:
+def choose_stage(
+    stages: list[dict[str, StageRecord]], rng: random.Random | None = None, allowed: list[int] | None = None
+) -> int:
     """Empty stages first, then the least total throughput; ties broken at random so
-    peers that join together spread out instead of piling onto stage 0."""
+    peers that join together spread out instead of piling onto stage 0. ``allowed``: the stages this
+    peer can hold (those that fit in its memory); None: all."""
     rng = rng or random.Random()
     totals = stage_throughputs(stages)
-    best = min(totals)
-    candidates = [s for s, t in enumerate(totals) if t <= best * 1.05 + 1e-9]
+    allowed = list(range(len(totals))) if allowed is None else [s for s in allowed if 0 <= s < len(totals)]
+    if not allowed:
+        raise ValueError("no stage fits on this peer")
+    best = min(totals[s] for s in allowed)
+    candidates = [s for s in allowed if totals[s] <= best * 1.05 + 1e-9]
     return rng.choice(candidates)
 
 

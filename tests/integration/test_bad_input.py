@@ -6,6 +6,7 @@ import grpc
 import pytest
 import torch
 
+from swarmpipe.cli.launcher import wait_for
 from swarmpipe.peer.swarm.records import WIRE_PROTOCOL
 from swarmpipe.peer.transport.wire import encode
 from swarmpipe.protos import swarm_pb2, swarm_pb2_grpc
@@ -206,8 +207,27 @@ def test_bad_requests_get_clear_errors_and_peer_keeps_serving(two_peers):
         assert back.applied and back.version == 1
         info = _call(first, "Info", swarm_pb2.InfoRequest(run_id="test"))
         assert info.state == "online" and info.version == 1 and info.protocol == WIRE_PROTOCOL
+        assert info.device == "cpu" and info.device_memory_total > 0 and info.device_memory_used > 0
     for peer in swarm.group.procs:
         assert peer.alive(), peer.log_text()[-2000:]
+    # A peer whose device cannot hold a stage refuses to serve it, naming the numbers, and nothing starts.
+    for stage_args in (["--stage", "1"], []):
+        small = swarm.start_role(
+            f"small{len(stage_args)}",
+            "peer",
+            "--initial-peers",
+            swarm.maddr,
+            "--run-id",
+            "test",
+            "--max-memory-mb",
+            "1",
+            "--host",
+            "127.0.0.1",
+            *stage_args,
+        )
+        wait_for(lambda small=small: not small.alive(), 60, "the small peer to give up", poll=0.5)
+        assert small.proc.returncode == 2, small.log_text()[-2000:]
+        assert "needs about" in small.log_text() and "MiB free" in small.log_text(), small.log_text()[-2000:]
 
 
 def test_forged_record_cannot_replace_a_peers_announcement(swarm):
