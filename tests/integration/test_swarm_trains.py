@@ -73,3 +73,22 @@ def test_peer_picks_emptiest_stage_and_runs_index(swarm):
     info = swarm.wait_ready(launched)
     assert info["run_id"] == "test"
     assert info["stage"] in ({1, 2} - {auto["stage"]})
+
+
+def test_a_tight_stash_bound_drops_old_versions_and_loses_nothing(swarm):
+    """update.max_stash_mb far below what many micro-batches in flight want: peers drop the oldest stashed
+    version's forwards (counted on /metrics), the trainer replays their backwards, nothing is lost."""
+    spec = swarm.write_spec(num_stages=2, n_layers=4, settings={"update": {"max_stash_mb": 1}})
+    swarm.start_coordinator(spec)
+    peers = [swarm.wait_ready(swarm.start_peer(stage, "--metrics-port", "0")) for stage in (0, 1)]
+    trainer, report_path = swarm.start_trainer(60, "--in-flight", "12")
+    report = swarm.wait_report(trainer, report_path, timeout=240)
+    assert trainer.proc.returncode == 0, trainer.log_text()[-3000:]
+    assert report["microbatches_lost"] == 0 and report["microbatches_completed"] == 60, report
+    import urllib.request
+
+    metrics = urllib.request.urlopen(f"http://{peers[0]['metrics_address']}/metrics", timeout=10).read().decode()
+    dropped = [line for line in metrics.splitlines() if 'reason="stash_bound"' in line and not line.startswith("#")]
+    assert dropped and float(dropped[0].split()[-1]) > 0, metrics[-2000:]
+    assert report["microbatches_retried"] > 0  # the dropped ones came back as replays
+    assert "swarmpipe_stash_bytes" in metrics and "swarmpipe_device_memory_bytes" in metrics
