@@ -7,13 +7,23 @@
 #   BASE             base image with python3 (>= 3.10) and python3 -m venv; Debian-like when
 #                    iproute2 / iptables must be installed (default python:3.11-slim;
 #                    deploy/setup-docker.sh passes a local debootstrap image instead)
-#   TORCH_INDEX_URL  where torch comes from when installing online: the CPU index by default;
-#                    CUDA users pass e.g. https://download.pytorch.org/whl/cu128, or "" for PyPI
+#   TORCH_INDEX_URL  where torch comes from: the CPU index by default (https://download.pytorch.org/whl/cpu),
+#                    "" for PyPI. Any other index (a CUDA build, e.g. https://download.pytorch.org/whl/cu128;
+#                    it must carry pyproject's torch==2.13.0) is always used for torch, with or without
+#                    a wheelhouse: torch and its CUDA libraries come from that index (online), everything
+#                    else from deploy/wheels as usual. The default leaves the build exactly as before:
+#                    the wheelhouse's CPU wheel offline, or the CPU index online.
 #   WHEELHOUSE       auto (default): install offline (--no-index) from deploy/wheels when it holds
 #                    wheels, else online; "off": always online
 #   PIP_INDEX_URL    passed to pip for the online path (a mirror)
 #
 # Offline builds: deploy/setup-docker.sh fills deploy/wheels with `pip wheel` on the host.
+#
+# GPU peers (the host needs the NVIDIA driver and the NVIDIA Container Toolkit; the CUDA runtime
+# libraries come with torch's wheels, so the base image stays the same):
+#   docker build --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128 -t swarmpipe:cuda .
+#   docker run --rm --gpus all swarmpipe:cuda peer --device cuda ...
+#   (Compose: deploy/docker-compose.gpu.yml over deploy/docker-compose.yml; see deploy/README.md)
 ARG BASE=python:3.11-slim
 
 # ---------------------------------------------------------------- build: the dependencies in /opt/venv
@@ -26,11 +36,19 @@ RUN python3 -m venv /opt/venv
 COPY deploy/wheels/ /wheels/
 COPY pyproject.toml /src/
 # Dependencies first (a layer that survives source edits), torch from its own index.
+# A TORCH_INDEX_URL other than the CPU default (a CUDA index) installs torch from there first, even
+# with a wheelhouse; the wheelhouse then supplies the rest, and its CPU torch is not used (the CUDA
+# build, 2.13.0+cuXXX, already satisfies torch==2.13.0).
 RUN set -eu; [ -n "${PIP_INDEX_URL:-}" ] || unset PIP_INDEX_URL; \
+    cpu_index=https://download.pytorch.org/whl/cpu; \
     /opt/venv/bin/python -c "import tomllib; deps = tomllib.load(open('/src/pyproject.toml', 'rb'))['project']['dependencies']; \
 open('/src/torch.txt', 'w').write(''.join(d + '\n' for d in deps if d.replace(' ', '').startswith('torch'))); \
 open('/src/requirements.txt', 'w').write(''.join(d + '\n' for d in deps))"; \
     if [ "$WHEELHOUSE" != "off" ] && ls /wheels/*.whl >/dev/null 2>&1; then \
+        if [ -n "$TORCH_INDEX_URL" ] && [ "$TORCH_INDEX_URL" != "$cpu_index" ]; then \
+            echo "installing torch online from $TORCH_INDEX_URL, the rest from the wheelhouse"; \
+            /opt/venv/bin/pip install --index-url "$TORCH_INDEX_URL" -r /src/torch.txt; \
+        fi; \
         echo "installing dependencies offline from the wheelhouse ($(ls /wheels/*.whl | wc -l) wheels)"; \
         /opt/venv/bin/pip install --no-index --find-links /wheels -r /src/requirements.txt; \
     else \

@@ -51,3 +51,35 @@ def test_call_breakdown_bench_measures_three_callees(tmp_path: Path) -> None:
     for row in data["rows"].values():
         assert row["calls"] >= 25 and row["latency_ms"] > 0 and row["callee_cpu_ms"] >= 0
     assert "compute-thread hop" in stdout
+
+
+def test_gpu_bench_runs_its_code_paths_on_the_cpu(tmp_path: Path) -> None:
+    """``--allow-cpu --tiny``: bare loop, a 1-peer swarm and a 2-peer swarm at a tiny size, every column."""
+    stdout, data = run_bench("gpu.py", "--allow-cpu", "--tiny", tmp_path=tmp_path)
+    assert data["figure"] is False  # tiny: a check, never a figure
+    assert data["bare_tokens_per_s"] > 0 and len(data["bare"]) == 2
+    assert [s["stages"] for s in data["swarms"]] == [1, 2]
+    for s in data["swarms"]:
+        assert s["tokens_per_s"] > 0 and s["ratio"] > 0 and s["lost"] == 0 and s["goal_met"] is None, s
+        assert len(s["peer_memory_bytes"]) == len(s["memory_estimate_bytes"]) == s["stages"]
+    for key in ("device", "peak_flops", "params", "params_without_embedding", "bare_peak_memory_bytes", "bare_mfu"):
+        assert key in data, key
+    assert "| run | stages | tokens/s | vs bare loop | MFU |" in stdout
+
+
+def test_gpu_bench_without_cuda_says_so_and_exits_0(tmp_path: Path) -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA: bench/gpu.py would run the real benchmark")
+    out = tmp_path / "gpu.json"
+    result = subprocess.run(
+        [sys.executable, str(REPO / "bench" / "gpu.py"), "--out", str(out)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "no CUDA device: bench/gpu.py measures GPU stages; nothing to do" in result.stdout
+    assert not out.exists()
