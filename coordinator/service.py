@@ -237,6 +237,10 @@ class Coordinator:
                         "version": r.version,
                         "updated_at": r.updated_at,
                         "metrics_address": r.metrics_address,
+                        # "" and 0 from a peer that predates device reporting: shown as "-"
+                        "device": r.device,
+                        "device_memory_total": r.device_memory_total,
+                        "device_memory_used": r.device_memory_used,
                     }
                 )
                 seen[peer_id] = (index, r.state.value)

@@ -50,6 +50,21 @@ function fmtAge(seconds) {
   return Math.floor(s / 3600) + "h " + Math.floor((s % 3600) / 60) + "m";
 }
 
+const GIB = 2 ** 30;
+
+// A peer's device memory as "used / total GiB"; null when the peer does not report it (an older peer).
+function fmtMemory(used, total) {
+  if (!total || !isFinite(total)) return null;
+  return fmtNum((used || 0) / GIB) + " / " + fmtNum(total / GIB) + " GiB";
+}
+
+// The device column: "cuda:0 (NVIDIA H200) · 12.3 / 141 GiB", or "-" for a peer that reports neither.
+function fmtDevice(p) {
+  const mem = fmtMemory(p.device_memory_used, p.device_memory_total);
+  if (!p.device) return mem || "-";
+  return p.device + " · " + (mem || "-");
+}
+
 function fmtClock(t) {
   const d = new Date(t * 1000);
   return [d.getHours(), d.getMinutes(), d.getSeconds()].map((x) => String(x).padStart(2, "0")).join(":");
@@ -135,6 +150,9 @@ function renderPipeline(snap) {
         el("span", { class: "peer", text: shortId(p.peer_id) }),
         el("span", { class: "state", text: p.state }),
         el("span", { class: "addr", text: p.address + (p.metrics_address ? "  ·  metrics " + p.metrics_address : "") }),
+        el("div", { class: "device", title: fmtDevice(p), "data-device": p.device || "",
+                    "data-memory": fmtMemory(p.device_memory_used, p.device_memory_total) || "-" },
+          el("span", { class: "label", text: "device " }), el("b", { text: fmtDevice(p) })),
         el("div", { class: "bar" }, el("span", { style: "width:" + width.toFixed(1) + "%" })),
         el("div", { class: "stats" },
           stat("", fmtNum(p.throughput) + " mb/s", "tp"),

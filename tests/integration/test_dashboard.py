@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -115,7 +116,32 @@ def _rendered(browser: Browser, url: str, num_stages: int) -> Elements | None:
     return page
 
 
-def test_dashboard_shows_pipeline_and_loss(swarm, chromium, tmp_path):
+def _check_status_shows_devices(swarm, capsys) -> None:
+    """`swarmpipe status` from the coordinator (table and --json) and from the DHT: a device and memory column."""
+    from swarmpipe.cli import main as cli
+    from swarmpipe.cli.status import render
+
+    def device_rows(table: str) -> list[str]:
+        lines = table.splitlines()
+        header = next(line for line in lines if " device " in line and line.rstrip().endswith("memory"))
+        column = header.index(" device ") + 1
+        return [line for line in lines if line[column : column + 3] == "cpu" and line.endswith(" GiB")]
+
+    capsys.readouterr()
+    assert cli.main(["status", "--coordinator", swarm.url]) == 0
+    assert len(device_rows(capsys.readouterr().out)) == 3
+    assert cli.main(["status", "--coordinator", swarm.url, "--json"]) == 0
+    peers = [p for s in json.loads(capsys.readouterr().out)[0]["stages"] for p in s["peers"]]
+    assert len(peers) == 3 and all(p["device"].startswith("cpu") and p["device_memory_total"] > 0 for p in peers)
+    # The DHT mode once, as JSON (it starts a DHT node); its table is render() of the same data.
+    assert cli.main(["status", "--initial-peers", swarm.maddr, "--run-id", swarm.run_id, "--json"]) == 0
+    runs = json.loads(capsys.readouterr().out)
+    peers = [p for s in runs[0]["stages"] for p in s["peers"]]
+    assert len(peers) == 3 and all(p["device"].startswith("cpu") and p["device_memory_total"] > 0 for p in peers)
+    assert len(device_rows(render(runs))) == 3
+
+
+def test_dashboard_shows_pipeline_and_loss(swarm, chromium, tmp_path, capsys):
     browser = Browser(chromium, tmp_path)
     swarm.start_coordinator()
     peers = [swarm.start_peer(stage, wait=False) for stage in (0, 0, 1)]
@@ -164,6 +190,15 @@ def test_dashboard_shows_pipeline_and_loss(swarm, chromium, tmp_path):
     assert len(joined) >= 3, page.by_class("event")
     assert len(page.by_class("trainer")) >= 1
     assert page.by_class("val-loss"), "the trainers table has a val loss column"
+    # Every peer's device: in /api/swarm, on its replica in the page, and in `swarmpipe status`.
+    api_peers = [p for s in api["stages"] for p in s["peers"]]
+    assert all(
+        p["device"].startswith("cpu") and 0 < p["device_memory_used"] <= p["device_memory_total"] for p in api_peers
+    )
+    devices = page.by_class("device")
+    assert len(devices) == 3 and all(d["data-device"].startswith("cpu") for d in devices), devices
+    assert all(d["data-memory"].endswith(" GiB") and " / " in d["data-memory"] for d in devices), devices
+    _check_status_shows_devices(swarm, capsys)
 
     shot = tmp_path / "dashboard.png"
     browser.screenshot(url, shot)
