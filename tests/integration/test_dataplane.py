@@ -31,6 +31,7 @@ class IdentityRuntime:
         self.stats = type("S", (), {"samples": 0, "dropped_stale": 0, "busy_seconds": 0.0, "steps": 0})()
         self.pending: dict = {}
         self.max_pending = 256
+        self.device = torch.device("cpu")
         self._compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix="compute")
 
     def submit(self, fn) -> Future:
@@ -47,6 +48,12 @@ class IdentityRuntime:
 
     def throughput(self) -> float:
         return 0.0
+
+    def stashed_versions(self) -> list:
+        return []
+
+    def stash_bytes(self) -> int:
+        return 0
 
 
 async def _serve():
