@@ -224,7 +224,9 @@ async def reassemble(
     except Exception as e:  # noqa: BLE001 - protobuf raises DecodeError subclasses
         raise WireError(f"{what}: malformed header: {e}") from None
     # A tensor that arrives whole in one frame is kept as a view of that frame (no copy); one spread
-    # over several frames is copied into a buffer of its own as its pieces come.
+    # over several frames is copied into a buffer of its own as its pieces come. The buffer grows with
+    # the bytes that arrived, never to the declared size up front: a caller that declares a gigabyte and
+    # sends a byte costs a byte.
     buffers: list[bytearray | memoryview | None] = [None] * len(sizes)
     index, filled, received = 0, 0, 0
 
@@ -241,8 +243,8 @@ async def reassemble(
                 buffers[index] = chunk[pos : pos + n]
             else:
                 if buffers[index] is None:
-                    buffers[index] = bytearray(sizes[index])
-                memoryview(buffers[index])[filled : filled + n] = chunk[pos : pos + n]
+                    buffers[index] = bytearray()
+                buffers[index] += chunk[pos : pos + n]
             filled += n
             pos += n
         received += len(chunk)

@@ -192,3 +192,20 @@ def test_a_first_frame_whose_field_runs_past_its_end_fails_cleanly() -> None:
     first = next(iter(frames(msg, METHODS["Forward"][2], method="Forward")))
     with pytest.raises(WireError):
         run(reassemble(_aiter([first[:-10]]), max_total_bytes=1 << 30))
+
+
+async def test_a_gigabyte_declared_and_a_few_bytes_sent_costs_a_few_bytes() -> None:
+    """The buffer grows with what arrives, never to the declared size (an attacker declares 1 GiB, sends
+    one byte per frame, and hangs up)."""
+    import tracemalloc
+
+    first = swarm_pb2.Frame(method="Forward", header=b"", data_bytes=[1 << 30], data=b"x")
+    trickle = [swarm_pb2.Frame(data=b"y" * 1000) for _ in range(100)]
+    tracemalloc.start()
+    try:
+        with pytest.raises(WireError, match=r"stream ended after 100001 of 1073741824 bytes"):
+            await reassemble(_aiter([first, *trickle]), max_total_bytes=2 << 30)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 4 << 20, f"reassembly held {peak} bytes for 100 kB received"
