@@ -25,7 +25,7 @@ def _dashboard_file(name: str) -> bytes | None:
     if "/" in name or name.startswith("."):
         return None
     try:
-        return resources.files("coordinator").joinpath("dashboard", name).read_bytes()
+        return resources.files("swarmpipe.coordinator").joinpath("dashboard", name).read_bytes()
     except (FileNotFoundError, OSError, IsADirectoryError):
         return None
 

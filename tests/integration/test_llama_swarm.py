@@ -69,12 +69,14 @@ def test_lora_swarm_on_a_hf_checkpoint(swarm, tmp_path):
     make_checkpoint(real, pretraining)
     link = tmp_path / "llama-link"
     link.symlink_to(real)
-    text = tmp_path / "corpus.txt"  # the fine-tuning data: other modules
-    text.write_text("\n\n".join(stdlib_texts(("json/encoder.py", "shlex.py", "argparse.py", "gettext.py"))))
+    # the fine-tuning data: regular code of one kind, so the held-out start of the stream is like the rest and
+    # LoRA's effect stands far above the noise of asynchronous training
+    text = tmp_path / "corpus.txt"
+    text.write_text("".join(f"def handler_{i}(request):\n    return response(request, {i})\n\n" for i in range(3000)))
     spec = swarm.write_spec(
         2,
         microbatch_size=8,
-        lr=1e-2,
+        lr=5e-3,
         warmup_steps=0,
         settings={
             "layer_split": [2, 2],
@@ -102,7 +104,8 @@ def test_lora_swarm_on_a_hf_checkpoint(swarm, tmp_path):
     assert report["microbatches_lost"] == 0, report
     steps, val = zip(*report["val_losses"])
     assert steps[0] == 0 and len(val) >= 4, report["val_losses"]  # the base model's loss first
-    assert min(val[1:]) < val[0] - 0.1 and val[-1] < val[0], report["val_losses"]
+    # a synchronous run of the same length: 4.5 -> 3.0; asynchronous updates are noisier
+    assert min(val[1:]) < val[0] - 0.3 and val[-1] < val[0] - 0.1, report["val_losses"]
 
     # --- second replicas: the frozen base from a replica, the adapters (and their optimizer) from a replica
     second = [swarm.start_peer(stage, wait=False) for stage in (0, 1)]

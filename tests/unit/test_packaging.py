@@ -69,3 +69,14 @@ def test_the_wheel_has_one_top_level_module(tmp_path: Path):
     (top_level,) = [n for n in names if n.endswith(".dist-info/top_level.txt")] or [None]
     if top_level:
         assert zipfile.ZipFile(wheel).read(top_level).decode().split() == ["swarmpipe"]
+
+
+def test_the_dashboard_is_found_outside_the_repository(tmp_path):
+    """Installed, the dashboard's files are package data of swarmpipe.coordinator (a bare "coordinator" import
+    only resolves from the repository root)."""
+    import subprocess
+    import sys
+
+    probe = "from swarmpipe.coordinator.http import _dashboard_file; print(len(_dashboard_file('index.html') or b''))"
+    out = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and int(out.stdout) > 100, out.stderr[-2000:]
