@@ -9,7 +9,6 @@ import sysconfig
 from collections.abc import Iterable
 from pathlib import Path
 
-SPECIAL_TOKENS = {"pad_token": "<pad>", "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"}
 STDLIB_SAMPLES = ("textwrap.py", "json/encoder.py", "csv.py")  # small, stable, present everywhere
 
 
@@ -22,22 +21,12 @@ def make_tokenizer(folder: str | Path, texts: Iterable[str] | None = None, vocab
     """Train a byte-level BPE tokenizer of ``vocab_size`` tokens (at least 260: the 256 byte symbols
     and 4 specials) on ``texts`` (default: a few stdlib modules) and save it as a transformers
     ``PreTrainedTokenizerFast`` folder with pad/bos/eos/unk tokens (ids 0..3). Returns the folder."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
+    from swarmpipe.peer.model.tiny import train_tokenizer
 
-    tok = Tokenizer(models.BPE(unk_token=SPECIAL_TOKENS["unk_token"]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=list(SPECIAL_TOKENS.values()),
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),  # every byte encodable: no unknown text
-        show_progress=False,
-    )
-    tok.train_from_iterator(list(texts) if texts is not None else stdlib_texts(), trainer)
+    tokenizer = train_tokenizer(list(texts) if texts is not None else stdlib_texts(), vocab_size)
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    PreTrainedTokenizerFast(tokenizer_object=tok, **SPECIAL_TOKENS).save_pretrained(str(folder))
+    tokenizer.save_pretrained(str(folder))
     return folder
 
 

@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, start_http_server
+
+from swarmpipe.peer.stage.device import memory_in_use
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 DELAY_BUCKETS = (0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
@@ -51,6 +56,13 @@ class PeerMetrics:
         )
         self.stash_bytes = Gauge("swarmpipe_stash_bytes", "Bytes of stashed weight snapshots", registry=r)
         self.stash_versions = Gauge("swarmpipe_stash_versions", "Stashed weight versions held", registry=r)
+
+    def watch_runtime(self, runtime: Callable[[], Any]) -> None:
+        """Gauges read when scraped, not on every backward: the stash and the device's memory of whichever
+        runtime the server holds then (``runtime`` returns it; a move swaps it)."""
+        self.stash_versions.set_function(lambda: len(runtime().stashed_versions()))
+        self.stash_bytes.set_function(lambda: runtime().stash_bytes())
+        self.device_memory.set_function(lambda: memory_in_use(runtime().device))
 
     def serve(self, port: int, host: str = "0.0.0.0") -> int:
         """Start the /metrics endpoint; returns the bound port (port 0 picks a free one)."""

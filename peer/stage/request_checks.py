@@ -85,6 +85,16 @@ def decode_grad_output(spec: RunSpec, is_last: bool, msg: swarm_pb2.Tensor) -> t
     ).float()
 
 
+def check_logits_size(spec: RunSpec, x: torch.Tensor) -> None:
+    """The last stage's logits for ``x`` (an evaluate Forward returns them) stay within the tensor bound."""
+    logits = x.shape[0] * x.shape[1] * spec.model.vocab_size
+    if logits > spec.limits.max_tensor_elements:
+        raise RequestError(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            f"{logits} logits exceed max_tensor_elements {spec.limits.max_tensor_elements}",
+        )
+
+
 def reply_codec(requested: str, default: str) -> str:
     """The codec a reply goes out in, checked before any work: "" takes the stage's default, and
     "auto" (chosen per link by the caller; one that did not choose) becomes fp16."""

@@ -37,6 +37,7 @@ from swarmpipe.peer.stage.stash import (  # noqa: F401 (BackwardResult, UnknownM
     UnknownMicrobatch,
     concat_rows,
 )
+from swarmpipe.peer.stage.throughput import ThroughputEstimate
 from swarmpipe.peer.stage.weights import StageWeights
 
 T = TypeVar("T")
@@ -79,8 +80,7 @@ class StageRuntime(StageWeights):
         self.stats = RuntimeStats()
         self._accumulated = 0
         self._snapshot: tuple[int, dict[str, torch.Tensor]] | None = None
-        self._seconds_per_sample: float | None = None  # EMA of compute time per sample
-        self._batched_run = 0  # batched calls since the last unbatched one
+        self.speed = ThroughputEstimate(spec.microbatch_size)
         self._compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"compute-s{stage}")
 
     # ---------------------------------------------------------------- the compute thread
@@ -97,39 +97,6 @@ class StageRuntime(StageWeights):
         self._compute.shutdown(wait=False, cancel_futures=True)
 
     # ---------------------------------------------------------------- compute
-    def _params_snapshot(self) -> dict[str, torch.Tensor]:
-        """Detached copies of the live weights at the current version, shared by its forwards."""
-        if self._snapshot is None or self._snapshot[0] != self.version:
-            self._bound_stash()
-            params = {n: p.detach().clone().requires_grad_(True) for n, p in self.trainable().items()}
-            self._snapshot = (self.version, params)
-        return self._snapshot[1]
-
-    def stashed_versions(self) -> list[dict[str, torch.Tensor]]:
-        """The distinct weight snapshots pending forwards hold, oldest first."""
-        seen: dict[int, dict[str, torch.Tensor]] = {}
-        for group in list(self.pending.values()):  # a copy: the event loop reads this for metrics
-            if group.params is not None:
-                seen.setdefault(id(group.params), group.params)
-        return list(seen.values())
-
-    def stash_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for params in self.stashed_versions() for t in params.values())
-
-    def _bound_stash(self) -> None:
-        """Before a new snapshot: drop the oldest stashed versions' forwards while one more snapshot would
-        pass ``stash_bound_bytes`` (counted; their backwards come back unknown and the trainer replays
-        them on the live weights, so nothing is lost and memory never runs out)."""
-        if not self.stash_bound_bytes:
-            return
-        size = sum(p.numel() * p.element_size() for p in self.trainable().values())
-        versions = self.stashed_versions()
-        while versions and (len(versions) + 1) * size > self.stash_bound_bytes:
-            oldest = versions.pop(0)
-            for mb in [mb for mb, g in self.pending.items() if g.params is oldest]:
-                self._forget(mb)
-                self.stats.dropped_stash_bound += 1
-
     def forward(self, microbatch_id: str, inputs: torch.Tensor) -> torch.Tensor:
         return self.forward_many([(microbatch_id, inputs)])[0]
 
@@ -301,12 +268,9 @@ class StageRuntime(StageWeights):
         results: list[BackwardResult | Exception | None] = [None] * len(items)
         good = []
         for i, (inputs, targets) in enumerate(items):
-            if tuple(targets.shape) != tuple(inputs.shape[:2]):
-                results[i] = ValueError(
-                    f"targets shape {list(targets.shape)} does not match inputs {list(inputs.shape[:2])}"
-                )
-            elif targets.numel() and (targets.min() < 0 or targets.max() >= self.spec.model.vocab_size):
-                results[i] = ValueError(f"targets must lie in [0, {self.spec.model.vocab_size})")
+            problem = self._targets_problem(inputs, targets)
+            if problem is not None:
+                results[i] = problem
             elif good and tuple(inputs.shape[1:]) != tuple(items[good[0]][0].shape[1:]):
                 results[i] = ValueError("micro-batches in one batch must share their trailing shape")
             else:
@@ -336,18 +300,21 @@ class StageRuntime(StageWeights):
         self._observe(time.perf_counter() - started, x.shape[0], weight=1.0, microbatches=len(good))
         return results  # type: ignore[return-value]
 
+    def _targets_problem(self, inputs: torch.Tensor, targets: torch.Tensor) -> ValueError | None:
+        """What is wrong with a micro-batch's targets for these inputs, or None."""
+        if tuple(targets.shape) != tuple(inputs.shape[:2]):
+            return ValueError(f"targets shape {list(targets.shape)} does not match inputs {list(inputs.shape[:2])}")
+        if targets.numel() and (targets.min() < 0 or targets.max() >= self.spec.model.vocab_size):
+            return ValueError(f"targets must lie in [0, {self.spec.model.vocab_size})")
+        return None
+
     def evaluate(self, inputs: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         """Forward-only on the live weights (validation): no record kept, no stash, no update.
 
         Returns the output, or on the last stage with ``targets`` the mean loss as a 0-d tensor."""
-        if targets is not None and tuple(targets.shape) != tuple(inputs.shape[:2]):
-            raise ValueError(f"targets shape {list(targets.shape)} does not match inputs {list(inputs.shape[:2])}")
-        if (
-            targets is not None
-            and targets.numel()
-            and (targets.min() < 0 or targets.max() >= self.spec.model.vocab_size)
-        ):
-            raise ValueError(f"targets must lie in [0, {self.spec.model.vocab_size})")
+        problem = None if targets is None else self._targets_problem(inputs, targets)
+        if problem is not None:
+            raise problem
         inputs = to_device(inputs, self.device)
         with torch.no_grad(), self.precision.context():
             output = self.module(inputs if self.is_first else inputs.detach().float())
@@ -405,30 +372,15 @@ class StageRuntime(StageWeights):
         return len(dead)
 
     def _observe(self, seconds: float, samples: int, weight: float, microbatches: int = 1) -> None:
-        """EMA of compute seconds per sample; ``weight`` is the share of a full fwd+bwd this call did.
-
-        Unbatched calls feed the estimate; batched ones only when nothing else comes (no estimate yet, or
-        a long run of batches): a batch's cost per sample falls with its size, which grows with load, so
-        a busy stage would look faster than an idle one and rebalancing would chase the noise."""
+        """Count a compute call; ``weight`` is the share of a full fwd+bwd it did (peer/stage/throughput.py)."""
         self.stats.busy_seconds += seconds
         self.stats.samples += samples if weight >= 2 / 3 else 0
-        if microbatches > 1 and self._seconds_per_sample is not None:
-            self._batched_run += 1
-            if self._batched_run < 20:
-                return
-        else:
-            self._batched_run = 0
-        per_sample = seconds / max(1, samples) / weight
-        ema = self._seconds_per_sample
-        self._seconds_per_sample = per_sample if ema is None else 0.9 * ema + 0.1 * per_sample
+        self.speed.observe(seconds, samples, weight, microbatches)
 
     def assume_throughput(self, microbatches_per_s: float) -> None:
         """Seed the estimate (e.g. after moving here) until real measurements take over."""
-        if microbatches_per_s > 0 and self._seconds_per_sample is None:
-            self._seconds_per_sample = 1.0 / (microbatches_per_s * self.spec.microbatch_size)
+        self.speed.assume(microbatches_per_s)
 
     def throughput(self) -> float:
         """Micro-batches per second this stage can compute (forward + backward)."""
-        if not self._seconds_per_sample:
-            return 0.0
-        return 1.0 / (self._seconds_per_sample * self.spec.microbatch_size)
+        return self.speed.microbatches_per_s()

@@ -14,7 +14,6 @@ the compute thread, no batching; nothing is kept (a Backward for that id is NOT_
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -30,14 +29,16 @@ from swarmpipe.peer.stage.metrics import PeerMetrics
 from swarmpipe.peer.stage.request_checks import (
     RequestError,
     check_header,
+    check_logits_size,
     decode_grad_output,
     decode_stage_input,
     reply_codec,
 )
 from swarmpipe.peer.stage.runtime import BackwardResult, StageRuntime, UnknownMicrobatch
 from swarmpipe.peer.stage.siblings import Siblings, SiblingWaits
-from swarmpipe.peer.stage.state import StageState, to_chunks
-from swarmpipe.peer.stage.state_transfer import DonorSnapshot, receive_pushed
+from swarmpipe.peer.stage.state import StageState
+from swarmpipe.peer.stage.state_rpcs import StateRPCs
+from swarmpipe.peer.stage.state_transfer import DonorSnapshot
 from swarmpipe.peer.swarm.records import WIRE_PROTOCOL, PeerState
 from swarmpipe.peer.transport.channels import server_options, tune_allocator
 from swarmpipe.peer.transport.streaming import METHODS as STREAM_METHODS
@@ -48,7 +49,7 @@ from swarmpipe.protos import swarm_pb2, swarm_pb2_grpc
 log = logging.getLogger("swarmpipe.server")
 
 
-class StageServicer(swarm_pb2_grpc.StageServicer):
+class StageServicer(StateRPCs, swarm_pb2_grpc.StageServicer):
     def __init__(
         self,
         runtime: StageRuntime,
@@ -60,6 +61,7 @@ class StageServicer(swarm_pb2_grpc.StageServicer):
         self.spec = runtime.spec
         self.peer_id = peer_id
         self.metrics = metrics or PeerMetrics()
+        self.metrics.watch_runtime(lambda: self.runtime)  # stash and device memory, read when scraped
         self.lifecycle = lifecycle or Lifecycle()  # owned by the daemon; the server only reads it
         self.queue = 0
         self.in_flight = 0
@@ -183,9 +185,6 @@ class StageServicer(swarm_pb2_grpc.StageServicer):
         if stash_drops > self._reported_stash_drops:  # forwards dropped to keep the stash bound (replayed)
             self.metrics.dropped.labels("stash_bound").inc(stash_drops - self._reported_stash_drops)
             self._reported_stash_drops = stash_drops
-        self.metrics.stash_versions.set(len(self.runtime.stashed_versions()))
-        self.metrics.stash_bytes.set(self.runtime.stash_bytes())
-        self.metrics.device_memory.set(memory_in_use(self.runtime.device))
 
     # ------------------------------------------------------------ RPCs
     async def Forward(
@@ -203,12 +202,7 @@ class StageServicer(swarm_pb2_grpc.StageServicer):
             x = decode_stage_input(self.spec, self.runtime.is_first, request.input)
             mb = request.microbatch_id
             if self.runtime.is_last:  # the logits (inference through the swarm): bounded like any tensor
-                logits = x.shape[0] * x.shape[1] * self.spec.model.vocab_size
-                if logits > self.spec.limits.max_tensor_elements:
-                    raise RequestError(
-                        grpc.StatusCode.INVALID_ARGUMENT,
-                        f"{logits} logits exceed max_tensor_elements {self.spec.limits.max_tensor_elements}",
-                    )
+                check_logits_size(self.spec, x)
             if request.evaluate:  # forward-only on the live weights, nothing kept for a backward
                 out = await self._compute("evaluate", lambda: self.runtime.evaluate(x))
             else:
@@ -325,53 +319,6 @@ class StageServicer(swarm_pb2_grpc.StageServicer):
 
     def _coalescers(self) -> tuple[Coalescer, ...]:
         return self.forwards, self.backwards, self.forward_backwards
-
-    async def DownloadState(self, request: swarm_pb2.DownloadStateRequest, context: grpc.aio.ServicerContext):
-        self.metrics.requests.labels("download_state").inc()
-        try:
-            check_header(self.spec, self.runtime.stage, request.run_id, request.stage)
-            if not self.lifecycle.serves_state:
-                raise RequestError(
-                    grpc.StatusCode.UNAVAILABLE, "this peer is still joining; download from another replica"
-                )
-            if request.base:  # the frozen base weights of a LoRA run (full fine-tuning trains them)
-                if self.spec.finetune.method != "lora":
-                    raise RequestError(grpc.StatusCode.NOT_FOUND, "replicas serve base weights only in LoRA runs")
-                state = await self._compute("download_state", self.runtime.export_base)
-            else:
-                # Exported on the compute thread (one consistent version, never mid-update) and kept a while,
-                # so every shard of one joiner's download comes from the same snapshot.
-                state = await self.donor.get(lambda: self._compute("download_state", self.runtime.export_state))
-            chunks = await asyncio.to_thread(
-                to_chunks, state, request.shard, request.num_shards or 1, self.spec.compression.state
-            )
-        except (RequestError, ValueError) as e:
-            code = e.code if isinstance(e, RequestError) else grpc.StatusCode.INVALID_ARGUMENT
-            self.metrics.errors.labels("download_state", code.name.lower()).inc()
-            await context.abort(code, str(e))
-            return
-        for chunk in chunks:
-            self._count_bytes(chunk.tensor, incoming=False)
-            yield chunk
-
-    async def PushState(self, request_iterator, context: grpc.aio.ServicerContext) -> swarm_pb2.PushStateResponse:
-        """A draining replica hands over its newest state: average it into ours."""
-
-        async def handle() -> swarm_pb2.PushStateResponse:
-            state = await receive_pushed(request_iterator)
-            check_header(self.spec, self.runtime.stage, state.meta.get("run_id", ""), int(state.meta.get("stage", -1)))
-            if self.state is PeerState.DRAINING:
-                raise RequestError(grpc.StatusCode.UNAVAILABLE, "this peer is draining too")
-            await self._compute("push_state", lambda: self.runtime.blend(state))
-            if self.on_state_pushed is not None:
-                self.on_state_pushed(state)
-            return swarm_pb2.PushStateResponse(
-                accepted=True,
-                version=self.runtime.version,
-                detail=f"averaged state of version {state.version} into ours",
-            )
-
-        return await self._serve("push_state", context, handle)  # StateError is a ValueError: INVALID_ARGUMENT
 
     async def Stream(self, request_iterator, context: grpc.aio.ServicerContext):
         """Forward / Backward / ForwardBackward whose messages are too large for one gRPC message."""

@@ -9,6 +9,7 @@ the matching backward is exact for the weights that produced the activations.
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from itertools import accumulate
 
@@ -67,3 +68,16 @@ class RuntimeStats:
     samples: int = 0
     busy_seconds: float = 0.0  # time spent computing: busy fraction = its rate of change
     delays: Counter = field(default_factory=Counter)
+
+
+def stashed_versions(pending: Mapping[str, ForwardGroup]) -> list[dict[str, torch.Tensor]]:
+    """The distinct weight snapshots pending forwards hold, oldest first."""
+    seen: dict[int, dict[str, torch.Tensor]] = {}
+    for group in list(pending.values()):  # a copy: metrics read this from another thread
+        if group.params is not None:
+            seen.setdefault(id(group.params), group.params)
+    return list(seen.values())
+
+
+def tensor_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)

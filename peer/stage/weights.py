@@ -14,11 +14,13 @@ import torch
 
 from swarmpipe.peer.model.lora import is_adapter
 from swarmpipe.peer.optim import build_optimizer
+from swarmpipe.peer.stage.stash import stashed_versions, tensor_bytes
 from swarmpipe.peer.stage.state import StageState, StateError, blend_into, capture, check_params, load_into
 
 if TYPE_CHECKING:
     from swarmpipe.peer.spec import RunSpec
     from swarmpipe.peer.stage.precision import Precision
+    from swarmpipe.peer.stage.stash import RuntimeStats
 
 
 class StageWeights:
@@ -33,7 +35,11 @@ class StageWeights:
     version: int
     awaiting_base: bool
     pending: dict
+    stats: RuntimeStats
+    stash_bound_bytes: int
     _snapshot: tuple[int, dict[str, torch.Tensor]] | None
+
+    def _forget(self, microbatch_id: str) -> None: ...
 
     def trainable(self) -> dict[str, torch.nn.Parameter]:
         """The parameters that train (all of them, or only the LoRA adapters): what is stashed,
@@ -147,3 +153,32 @@ class StageWeights:
             for p, b, a in zip(self.trainable().values(), before, after):
                 p.add_((a - b).to(p.device, p.dtype))
         self._snapshot = None
+
+    # ---------------------------------------------------------------- weight stashing
+    def _params_snapshot(self) -> dict[str, torch.Tensor]:
+        """Detached copies of the live weights at the current version, shared by its forwards."""
+        if self._snapshot is None or self._snapshot[0] != self.version:
+            self._bound_stash()
+            params = {n: p.detach().clone().requires_grad_(True) for n, p in self.trainable().items()}
+            self._snapshot = (self.version, params)
+        return self._snapshot[1]
+
+    def stashed_versions(self) -> list[dict[str, torch.Tensor]]:
+        return stashed_versions(self.pending)
+
+    def stash_bytes(self) -> int:
+        return tensor_bytes(t for params in self.stashed_versions() for t in params.values())
+
+    def _bound_stash(self) -> None:
+        """Before a new snapshot: drop the oldest stashed versions' forwards while one more snapshot would
+        pass ``stash_bound_bytes`` (counted; their backwards come back unknown and the trainer replays
+        them on the live weights, so nothing is lost and memory never runs out)."""
+        if not self.stash_bound_bytes:
+            return
+        size = tensor_bytes(self.trainable().values())
+        versions = self.stashed_versions()
+        while versions and (len(versions) + 1) * size > self.stash_bound_bytes:
+            oldest = versions.pop(0)
+            for mb in [mb for mb, g in self.pending.items() if g.params is oldest]:
+                self._forget(mb)
+                self.stats.dropped_stash_bound += 1
