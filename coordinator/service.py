@@ -27,7 +27,7 @@ from swarmpipe.peer.model.hf_checkpoint import resolve_spec
 from swarmpipe.peer.spec import RunSpec, load_spec
 from swarmpipe.peer.stage.state import StateError
 from swarmpipe.peer.stage.state_transfer import download_state
-from swarmpipe.peer.swarm.dht import SwarmDHT, start_dht, visible_maddrs
+from swarmpipe.peer.swarm.dht import SwarmDHT, start_dht, trust_coordinators, visible_maddrs
 from swarmpipe.peer.swarm.records import CheckpointRecord, PeerState, RunIndexRecord, now
 from swarmpipe.peer.transport.channels import server_options
 from swarmpipe.protos import swarm_pb2_grpc
@@ -84,8 +84,15 @@ class Coordinator:
         if cfg.identity:
             os.makedirs(os.path.dirname(os.path.abspath(cfg.identity)), exist_ok=True)
         self.dht = await asyncio.to_thread(
-            start_dht, cfg.initial_peers, cfg.host, port, cfg.identity or None, cfg.announce_host or None
+            start_dht,
+            cfg.initial_peers,
+            cfg.host,
+            port,
+            cfg.identity or None,
+            cfg.announce_host or None,
+            coordinators=cfg.coordinator_id,
         )
+        trust_coordinators(self.dht, [self.dht.peer_id.to_base58()])  # the run's spec is ours to sign
         try:
             return await self._serve()
         finally:
@@ -103,6 +110,7 @@ class Coordinator:
             bound = int(self.initial_peers[0].split("/tcp/")[1].split("/")[0])
             Path(cfg.identity + ".port").write_text(str(bound))
         self.swarm = SwarmDHT(self.dht, self.spec.run_id)
+        self.swarm.protect()
         if self.store is not None or self.base is not None:
             await self._start_checkpoint_server()
         await self._publish()
@@ -133,7 +141,7 @@ class Coordinator:
     # ------------------------------------------------------------ publishing
     async def _publish(self) -> None:
         ttl = 6 * self.cfg.publish_period
-        await self.swarm.publish_spec(self.spec, ttl=max(ttl, 3600))
+        await self.swarm.publish_spec(self.spec)  # signed, and long-lived: the swarm outlives our downtime
         index = RunIndexRecord(
             run_id=self.spec.run_id,
             num_stages=self.spec.num_stages,

@@ -22,6 +22,9 @@ class CommonConfig:
     initial_peers: list[str] = opt([], "multiaddrs of DHT peers to join (default: the --swarm bootstrap list)")
     swarm: str = opt("public", "named swarm whose shipped bootstrap list to use when --initial-peers is empty")
     run_id: str = opt("", "run to join (default: the run that most needs peers)")
+    coordinator_id: list[str] = opt(
+        [], "peer ids of the coordinators whose signed spec to trust (default: the peer ids in --initial-peers)"
+    )
     host: str = opt("127.0.0.1", "interface to bind servers to")
     announce_host: str = opt("", "address other peers should dial (default: --host)")
     log_level: str = opt("INFO", "logging level")
@@ -113,6 +116,7 @@ class StatusConfig:
     initial_peers: list[str] = opt([], "multiaddrs of DHT peers to read from")
     swarm: str = opt("public", "named swarm whose bootstrap list to use")
     run_id: str = opt("", "run to show (default: every run in the swarm index)")
+    coordinator_id: list[str] = opt([], "peer ids of trusted coordinators (default: the peer ids in --initial-peers)")
     coordinator: str = opt("", "read from a coordinator's HTTP API instead (http://host:port)")
     json: bool = opt(False, "print JSON instead of a table")
     log_level: str = opt("WARNING", "logging level")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,9 @@ import tomllib
 from swarmpipe.peer.transport import codecs
 
 SCHEMA_VERSION = 1
+MAX_STAGES = 256  # one run's stages (DHT validators precompute this many stage keys)
+MAX_LR = 1.0  # a learning rate beyond this is an attack or a typo, not a setting
+_RUN_ID = re.compile(r"^[A-Za-z0-9_.\-]{1,128}$")
 # Fields that older versions had and that never did anything: accepted and ignored, per table path.
 RETIRED_FIELDS: dict[str, set[str]] = {"": {"checkpoint_every"}}  # the coordinator's --checkpoint-every counts
 log = logging.getLogger("swarmpipe.spec")
@@ -179,8 +183,11 @@ class RunSpec:
             raise SpecError(
                 f"spec schema version {self.schema_version} is not supported (this peer knows {SCHEMA_VERSION})"
             )
-        if self.num_stages < 1:
-            raise SpecError("num_stages must be >= 1")
+        if not 1 <= self.num_stages <= MAX_STAGES:
+            raise SpecError(f"num_stages must be within 1..{MAX_STAGES}")
+        if not _RUN_ID.match(self.run_id):
+            raise SpecError(f"run_id must be 1-128 letters, digits, '.', '_' or '-', got {self.run_id[:40]!r}")
+        self._check_sane_bounds()
         m = self.model
         if m.family not in MODEL_FAMILIES:
             raise SpecError(f"unknown model family {m.family!r}; known: {', '.join(MODEL_FAMILIES)}")
@@ -227,6 +234,32 @@ class RunSpec:
         if b.max_microbatches < 1 or not 0 <= b.wait_ms <= 1000 or not 0 <= b.backward_wait_ms <= 1000:
             raise SpecError("batching: max_microbatches must be >= 1 and waits within 0..1000 ms")
         return self
+
+    def _check_sane_bounds(self) -> None:
+        """A spec comes from the DHT: even a correctly signed one must not ask a volunteer for absurd limits."""
+        m, o, lim = self.model, self.optimizer, self.limits
+        for name, value, top in (
+            ("model.vocab_size", m.vocab_size, 1 << 22),
+            ("model.d_model", m.d_model, 1 << 16),
+            ("model.n_layers", m.n_layers, 4096),
+            ("model.n_heads", m.n_heads, 1024),
+            ("model.seq_len", m.seq_len, 1 << 20),
+            ("model.intermediate_size", m.intermediate_size, 1 << 18),
+            ("model.mlp_ratio", m.mlp_ratio, 64),
+            ("microbatch_size", self.microbatch_size, 1 << 16),
+            ("limits.max_message_mb", lim.max_message_mb, 2047),  # gRPC's ceiling is 2 GiB
+            ("limits.max_stream_mb", lim.max_stream_mb, 16 * 1024),
+            ("limits.max_tensor_elements", lim.max_tensor_elements, 1 << 31),
+            ("update.max_staleness", self.update.max_staleness, 1 << 20),
+        ):
+            if not 0 <= value <= top:
+                raise SpecError(f"{name} = {value} is outside the sane range 0..{top}")
+        if min(lim.max_message_mb, lim.max_stream_mb, lim.max_tensor_elements) < 1:
+            raise SpecError("limits must be >= 1")
+        if not (0 <= o.lr <= MAX_LR and all(0 <= b < 1 for b in o.betas) and 0 < o.eps <= 1 and o.clip_norm >= 0):
+            raise SpecError(f"optimizer: lr must be in [0, {MAX_LR}], betas in [0, 1), eps in (0, 1], clip_norm >= 0")
+        if not 0 <= o.weight_decay <= 1 or not 0 <= o.nesterov_beta1 < 1:
+            raise SpecError("optimizer: weight_decay must be in [0, 1] and nesterov_beta1 in [0, 1)")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -70,6 +70,7 @@ class PeerDaemon:
             None,
             cfg.announce_host or None,
             require_bootstrap=not cfg.run_id,
+            coordinators=cfg.coordinator_id,
         )
         try:
             return await self._serve()
@@ -282,8 +283,6 @@ class PeerDaemon:
             rounds += 1
             try:
                 await self._announce()
-                if rounds % 10 == 0:  # keep the spec alive while the coordinator is down
-                    await self.swarm.publish_spec(self.servicer.spec, ttl=3600)
                 if rounds % 3 == 0:  # find a restarted coordinator again
                     await reconnect_bootstrap(self.dht, self.initial_peers)
             except Exception as e:  # the DHT hiccups; the next period tries again

@@ -2,6 +2,11 @@
 
 hivemind runs the DHT in a forked child process; its calls return MPFutures
 that we await with a deadline so an unreachable swarm never hangs a caller.
+
+Every record we write is signed with the process's identity key, the same key that gives the DHT
+node its peer id (:mod:`swarmpipe.peer.swarm.identity`); every record we read is checked again here:
+member records under their signer's own id, control records (spec, checkpoint, index entry) only
+from the run's trusted coordinators (``--coordinator-id``, else the peer ids of ``--initial-peers``).
 """
 
 from __future__ import annotations
@@ -9,15 +14,15 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import hivemind
-from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.utils import get_dht_time
-from hivemind.utils.crypto import RSAPrivateKey
 
 from swarmpipe.peer.spec import RunSpec, SpecError, spec_from_dict
+from swarmpipe.peer.swarm.identity import Identity, load_identity, peer_id_in_maddr, split_signed_subkey
+from swarmpipe.peer.swarm.record_validator import RunRecordValidator
 from swarmpipe.peer.swarm.records import (
     RUNS_INDEX_KEY,
     WIRE_PROTOCOL,
@@ -35,6 +40,7 @@ from swarmpipe.peer.swarm.records import (
 
 log = logging.getLogger("swarmpipe.dht")
 DHT_TIMEOUT_S = 10.0
+SPEC_TTL_S = 7 * 24 * 3600.0  # a run's spec does not change; it outlives a coordinator that is down for days
 
 
 def start_dht(
@@ -44,41 +50,60 @@ def start_dht(
     identity_path: str | None = None,
     announce_host: str | None = None,
     require_bootstrap: bool = True,
+    coordinators: Iterable[str] = (),
 ) -> hivemind.DHT:
     """``require_bootstrap=False``: start even when no initial peer answers (the coordinator may be
-    down); the caller keeps pinging them with :func:`reconnect_bootstrap` until one does."""
+    down); the caller keeps pinging them with :func:`reconnect_bootstrap` until one does.
+
+    ``coordinators``: peer ids whose spec, checkpoint and index entries this process trusts (default:
+    the peer ids in ``initial_peers``); read back with :func:`trusted_coordinators`."""
+    identity = load_identity(identity_path)
     # Every node checks signatures: a record whose subkey names an owner key can only be changed
-    # by the holder of that key (hivemind's RSASignatureValidator), so no one overwrites another
-    # peer's announcement.
+    # by the holder of that key (hivemind's RSASignatureValidator), and that key is our peer id's.
     kwargs: dict[str, Any] = dict(
-        host_maddrs=[f"/ip4/{host}/tcp/{port}"], start=True, record_validators=[signature_validator()]
+        host_maddrs=[f"/ip4/{host}/tcp/{port}"],
+        start=True,
+        record_validators=[identity.validator],
+        identity_path=identity.path,
     )
-    if identity_path:
-        kwargs["identity_path"] = identity_path
+    if not identity_path:
+        kwargs["check_if_identity_free"] = False  # a key made a moment ago is nobody else's
     if announce_host and port:  # behind NAT or in a container: the address others should dial
         kwargs["announce_maddrs"] = [f"/ip4/{announce_host}/tcp/{port}"]
     try:
-        return hivemind.DHT(initial_peers=list(initial_peers) or None, **kwargs)
-    except Exception as e:  # p2pd and hivemind both refuse to start when no bootstrap peer answers
-        if require_bootstrap or not initial_peers:
-            raise
-        log.warning(
-            "none of the %d initial peers answered (%s); starting alone, retrying them",
-            len(initial_peers),
-            str(e).strip().splitlines()[-1][:160],
-        )
-        return hivemind.DHT(initial_peers=None, **kwargs)
+        try:
+            dht = hivemind.DHT(initial_peers=list(initial_peers) or None, **kwargs)
+        except Exception as e:  # p2pd and hivemind both refuse to start when no bootstrap peer answers
+            if require_bootstrap or not initial_peers:
+                raise
+            log.warning(
+                "none of the %d initial peers answered (%s); starting alone, retrying them",
+                len(initial_peers),
+                str(e).strip().splitlines()[-1][:160],
+            )
+            dht = hivemind.DHT(initial_peers=None, **kwargs)
+    finally:
+        identity.forget_file()
+    trusted = set(coordinators) or {p for p in map(peer_id_in_maddr, initial_peers) if p}
+    dht.swarmpipe_identity = identity  # type: ignore[attr-defined]
+    dht.swarmpipe_coordinators = frozenset(trusted)  # type: ignore[attr-defined]
+    return dht
 
 
-_VALIDATOR: RSASignatureValidator | None = None
+def identity_of(dht: hivemind.DHT) -> Identity:
+    identity = getattr(dht, "swarmpipe_identity", None)
+    if identity is None:
+        raise RuntimeError("this DHT was not started by swarmpipe.peer.swarm.dht.start_dht (no signing identity)")
+    return identity
 
 
-def signature_validator() -> RSASignatureValidator:
-    """This process's signing identity (one RSA key per process)."""
-    global _VALIDATOR
-    if _VALIDATOR is None:
-        _VALIDATOR = RSASignatureValidator(RSAPrivateKey())
-    return _VALIDATOR
+def trusted_coordinators(dht: hivemind.DHT) -> frozenset[str]:
+    return getattr(dht, "swarmpipe_coordinators", frozenset())
+
+
+def trust_coordinators(dht: hivemind.DHT, peer_ids: Iterable[str]) -> None:
+    """Add coordinators this process trusts (the coordinator trusts itself)."""
+    dht.swarmpipe_coordinators = trusted_coordinators(dht) | frozenset(peer_ids)  # type: ignore[attr-defined]
 
 
 def visible_maddrs(dht: hivemind.DHT) -> list[str]:
@@ -118,15 +143,29 @@ async def reconnect_bootstrap(dht: hivemind.DHT, maddrs: Sequence[str]) -> int:
 
 
 class SwarmDHT:
-    """The records of one run, read and written with deadlines."""
+    """The records of one run, read and written with deadlines, signed by us and checked on the way in."""
 
     def __init__(self, dht: hivemind.DHT, run_id: str):
         self.dht = dht
         self.run_id = run_id
-        self.peer_id = dht.peer_id.to_base58()
+        self.identity = identity_of(dht)
+        self.peer_id = self.identity.peer_id
         # "<peer id>[owner:<public key>]": our records are signed and only we can replace them.
-        self.owner_subkey = self.peer_id.encode() + signature_validator().local_public_key
+        self.owner_subkey = self.identity.owner_subkey()
         self._incompatible: set[tuple[str, int]] = set()  # (peer, protocol) pairs already logged
+
+    @property
+    def coordinators(self) -> frozenset[str]:
+        return trusted_coordinators(self.dht)
+
+    def protect(self) -> None:
+        """Make our DHT node refuse records of this run that are unsigned, foreign or out of bounds
+        (:class:`RunRecordValidator`). Called once the run is chosen: another run's records are not ours to judge."""
+        guarded = getattr(self.dht, "swarmpipe_guarded", set())
+        if self.run_id in guarded or not self.coordinators:
+            return
+        self.dht.add_validators([RunRecordValidator(self.run_id, self.coordinators)])
+        self.dht.swarmpipe_guarded = guarded | {self.run_id}  # type: ignore[attr-defined]
 
     async def _get(self, key: str) -> Any:
         future = self.dht.get(key, latest=True, return_future=True)
@@ -136,7 +175,7 @@ class SwarmDHT:
             log.warning("dht get %s timed out after %.0fs", key, DHT_TIMEOUT_S)
             return None
 
-    async def _store(self, key: str, value: Any, ttl: float, subkey: str | None = None) -> bool:
+    async def _store(self, key: str, value: Any, ttl: float, subkey: bytes) -> bool:
         future = self.dht.store(key, value, get_dht_time() + ttl, subkey=subkey, return_future=True)
         try:
             return bool(await asyncio.wait_for(future, DHT_TIMEOUT_S))
@@ -144,16 +183,30 @@ class SwarmDHT:
             log.warning("dht store %s timed out after %.0fs", key, DHT_TIMEOUT_S)
             return False
 
+    async def _from_coordinator(self, key: str) -> Any:
+        """The newest value under ``key`` that a trusted coordinator signed (forgeries sit beside it, ignored)."""
+        found = await self._get(key)
+        if found is None or not isinstance(found.value, dict):
+            return None
+        best = None
+        for subkey, item in found.value.items():
+            signed = split_signed_subkey(subkey)
+            if signed is None or signed[0] != signed[1] or signed[1] not in self.coordinators:
+                continue
+            if best is None or item.expiration_time > best.expiration_time:
+                best = item
+        return None if best is None else best.value
+
     # spec ------------------------------------------------------------------
-    async def publish_spec(self, spec: RunSpec, ttl: float) -> bool:
-        return await self._store(spec_key(self.run_id), spec.to_dict(), ttl)
+    async def publish_spec(self, spec: RunSpec, ttl: float = SPEC_TTL_S) -> bool:
+        return await self._store(spec_key(self.run_id), spec.to_dict(), ttl, self.owner_subkey)
 
     async def fetch_spec(self) -> RunSpec | None:
-        found = await self._get(spec_key(self.run_id))
-        if found is None:
+        value = await self._from_coordinator(spec_key(self.run_id))
+        if value is None:
             return None
         try:
-            return spec_from_dict(found.value)
+            return spec_from_dict(value)
         except (SpecError, TypeError, ValueError) as e:
             raise SpecError(f"the run spec published for {self.run_id!r} is unusable: {e}") from e
 
@@ -162,6 +215,12 @@ class SwarmDHT:
     ) -> RunSpec:
         """Poll for the spec; meanwhile ping ``initial_peers`` now and then, so a node that started
         while its bootstrap peers were down (a restarting coordinator) joins once one is back."""
+        if not self.coordinators:
+            raise ValueError(
+                "no trusted coordinator: pass --coordinator-id PEER_ID, or --initial-peers with the coordinator's "
+                "multiaddr (its /p2p/<peer id> names the key that signs the run's spec)"
+            )
+        self.protect()
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
         next_ping = loop.time()
@@ -179,14 +238,16 @@ class SwarmDHT:
             if spec is not None:
                 return spec
             if loop.time() > deadline:
+                trusted = ", ".join(sorted(p[-8:] for p in self.coordinators))
                 raise TimeoutError(
-                    f"no spec for run {self.run_id!r} in the DHT after {timeout:.0f}s; is the coordinator up?"
+                    f"no spec for run {self.run_id!r} signed by a trusted coordinator (peer ids ...{trusted}) in the "
+                    f"DHT after {timeout:.0f}s; is the coordinator up, and is it the one --coordinator-id names?"
                 )
             await asyncio.sleep(poll)
 
     # stages ----------------------------------------------------------------
     async def announce_stage(self, stage: int, record: StageRecord, ttl: float) -> bool:
-        return await self._store(stage_key(self.run_id, stage), record.model_dump(), ttl, subkey=self.owner_subkey)
+        return await self._store(stage_key(self.run_id, stage), record.model_dump(), ttl, self.owner_subkey)
 
     async def stage_peers(self, stage: int) -> dict[str, StageRecord]:
         """The stage's peers that speak our wire protocol; others are skipped (logged once each)."""
@@ -212,20 +273,22 @@ class SwarmDHT:
 
     # trainers, checkpoints, index -----------------------------------------------
     async def announce_trainer(self, record: TrainerRecord, ttl: float) -> bool:
-        return await self._store(trainer_key(self.run_id), record.model_dump(), ttl, subkey=self.owner_subkey)
+        return await self._store(trainer_key(self.run_id), record.model_dump(), ttl, self.owner_subkey)
 
     async def trainers(self) -> dict[str, TrainerRecord]:
         return parse_subkeyed(TrainerRecord, await self._get(trainer_key(self.run_id)))
 
     async def publish_checkpoint(self, record: CheckpointRecord, ttl: float) -> bool:
-        return await self._store(checkpoint_key(self.run_id), record.model_dump(), ttl)
+        return await self._store(checkpoint_key(self.run_id), record.model_dump(), ttl, self.owner_subkey)
 
     async def checkpoint(self) -> CheckpointRecord | None:
-        found = await self._get(checkpoint_key(self.run_id))
-        return None if found is None else parse_record(CheckpointRecord, found.value, "checkpoint")
+        value = await self._from_coordinator(checkpoint_key(self.run_id))
+        return None if value is None else parse_record(CheckpointRecord, value, "checkpoint")
 
     async def list_in_index(self, record: RunIndexRecord, ttl: float) -> bool:
-        return await self._store(RUNS_INDEX_KEY, record.model_dump(), ttl, subkey=self.run_id)
+        return await self._store(RUNS_INDEX_KEY, record.model_dump(), ttl, self.identity.owner_subkey(self.run_id))
 
     async def runs(self) -> dict[str, RunIndexRecord]:
-        return parse_subkeyed(RunIndexRecord, await self._get(RUNS_INDEX_KEY))
+        """Runs in the swarm index whose entry a trusted coordinator signed (a stranger can list a fake run,
+        but no volunteer who trusts only its own bootstrap peers will join it)."""
+        return parse_subkeyed(RunIndexRecord, await self._get(RUNS_INDEX_KEY), signers=self.coordinators)

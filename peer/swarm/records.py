@@ -6,7 +6,8 @@ Keys (values expire; the subkey is the owner's peer id):
   ``{run_id}.trainer`` / peer id       -> :class:`TrainerRecord`
   ``{run_id}.checkpoint``              -> :class:`CheckpointRecord`
   ``swarmpipe.runs`` / run id          -> :class:`RunIndexRecord` (swarm-wide index of runs)
-A record that fails validation is skipped with a warning, never trusted.
+Every subkey is ``b"<name>[owner:<public key>]"``, signed by that key (see :mod:`swarmpipe.peer.swarm.identity`);
+a record that is unsigned, signed by someone else or fails validation is skipped with a warning, never trusted.
 """
 
 from __future__ import annotations
@@ -19,6 +20,9 @@ from typing import Any, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_serializer, field_validator
 
+from swarmpipe.peer.spec import MAX_STAGES  # one bound for spec, records and validators
+from swarmpipe.peer.swarm.identity import split_signed_subkey
+
 log = logging.getLogger("swarmpipe.records")
 
 RUNS_INDEX_KEY = "swarmpipe.runs"
@@ -28,6 +32,7 @@ RUNS_INDEX_KEY = "swarmpipe.runs"
 # 2: the ``evaluate`` flags (an older peer would train on a validation batch).
 WIRE_PROTOCOL = 2
 MAX_VAL_LOSS = 1e4  # a trainer's validation loss in nats: finite, 0..MAX_VAL_LOSS, or no record
+MAX_VERSION = 1 << 53  # weight versions and steps: far beyond any run, exact in a float, far from int64 overflow
 _ADDRESS = re.compile(r"^[A-Za-z0-9_.:\-\[\]]{1,255}:\d{1,5}$")
 
 
@@ -52,9 +57,9 @@ class StageRecord(Record):
     state: PeerState = Field(strict=False)  # read from the DHT as its string value
     throughput: float = Field(ge=0, le=1e9)
     queue: int = Field(ge=0, le=1_000_000)
-    version: int = Field(ge=0)
+    version: int = Field(ge=0, le=MAX_VERSION)
     updated_at: float
-    metrics_address: str = ""
+    metrics_address: str = Field(default="", max_length=262)
     protocol: int = Field(ge=0, le=1_000_000, default=0)
     device: str = Field(default="", max_length=80)  # "cuda:0 (NVIDIA H200)", "cpu"
     device_memory_total: int = Field(ge=0, le=1 << 50, default=0)  # bytes
@@ -74,28 +79,42 @@ class StageRecord(Record):
 
 
 class TrainerRecord(Record):
-    step: int = Field(ge=0)
-    loss: float | None = None
-    samples_per_s: float = Field(ge=0)
-    microbatches_completed: int = Field(ge=0, default=0)
-    microbatches_retried: int = Field(ge=0, default=0)
-    microbatches_lost: int = Field(ge=0, default=0)
+    step: int = Field(ge=0, le=MAX_VERSION)
+    loss: float | None = Field(default=None, ge=0, le=MAX_VAL_LOSS, allow_inf_nan=False)
+    samples_per_s: float = Field(ge=0, le=1e9)
+    microbatches_completed: int = Field(ge=0, le=MAX_VERSION, default=0)
+    microbatches_retried: int = Field(ge=0, le=MAX_VERSION, default=0)
+    microbatches_lost: int = Field(ge=0, le=MAX_VERSION, default=0)
     val_loss: float | None = Field(default=None, ge=0, le=MAX_VAL_LOSS, allow_inf_nan=False)  # newest validation
     updated_at: float
 
 
 class CheckpointRecord(Record):
-    step: int = Field(ge=0)
-    versions: list[int]
-    digests: list[str]
+    step: int = Field(ge=0, le=MAX_VERSION)
+    versions: list[int] = Field(max_length=MAX_STAGES)
+    digests: list[str] = Field(max_length=MAX_STAGES)
     created_at: float
-    url: str = ""
+    url: str = Field(default="", max_length=262)
+
+    @field_validator("versions")
+    @classmethod
+    def _versions_in_range(cls, value: list[int]) -> list[int]:
+        if any(not -1 <= v <= MAX_VERSION for v in value):  # -1: no state of that stage yet
+            raise ValueError(f"a version outside -1..{MAX_VERSION}")
+        return value
+
+    @field_validator("digests")
+    @classmethod
+    def _digests_short(cls, value: list[str]) -> list[str]:
+        if any(len(d) > 128 for d in value):
+            raise ValueError("a digest longer than 128 characters")
+        return value
 
 
 class RunIndexRecord(Record):
-    run_id: str
-    num_stages: int = Field(ge=1)
-    coordinator: str = ""
+    run_id: str = Field(min_length=1, max_length=128)
+    num_stages: int = Field(ge=1, le=MAX_STAGES)
+    coordinator: str = Field(default="", max_length=1024)
     updated_at: float
 
 
@@ -126,28 +145,26 @@ def parse_record(cls: type[R], raw: Any, where: str = "") -> R | None:
         return None
 
 
-def parse_subkeyed(cls: type[R], found: Any) -> dict[str, R]:
-    """The dict that ``dht.get(key, latest=True)`` returns for a subkeyed key -> {peer id: record}."""
+def parse_subkeyed(cls: type[R], found: Any, signers: frozenset[str] | None = None) -> dict[str, R]:
+    """The dict that ``dht.get(key, latest=True)`` returns for a subkeyed key -> {name: record}.
+
+    Only signed subkeys count. Without ``signers`` the name must be the signer's own peer id (stage and
+    trainer records: nobody announces for another peer); with ``signers`` the name is free (a run id in
+    the index) but the signer must be one of them."""
     out: dict[str, R] = {}
     if found is None or not isinstance(found.value, dict):
         return out
     for subkey, item in found.value.items():
-        owner = subkey_owner(subkey)
-        if owner is None:
+        signed = split_signed_subkey(subkey)
+        if signed is None:
             continue
-        record = parse_record(cls, getattr(item, "value", None), f"{cls.__name__}/{owner}")
+        name, signer = signed
+        if (name != signer) if signers is None else (signer not in signers):
+            continue
+        record = parse_record(cls, getattr(item, "value", None), f"{cls.__name__}/{name[-6:]}")
         if record is not None:
-            out[owner] = record
+            out[name] = record
     return out
-
-
-def subkey_owner(subkey: Any) -> str | None:
-    """Peer id (or run id) a subkey names: a plain string, or ``b"<id>[owner:<key>]"`` for signed records."""
-    if isinstance(subkey, bytes):
-        subkey = subkey.split(b"[owner:", 1)[0].decode("utf-8", errors="replace")
-    if not isinstance(subkey, str) or not 0 < len(subkey) <= 128:
-        return None
-    return subkey
 
 
 def now() -> float:

@@ -106,12 +106,12 @@ class Progress:
         """What the trainer announces in the DHT: the coordinator's dashboard and metrics read it."""
         return TrainerRecord(
             step=self.completed,
-            loss=self.loss_ema(),
+            loss=_announceable(self.loss_ema()),
             samples_per_s=self.samples_per_s(microbatch_size),
             microbatches_completed=self.completed,
             microbatches_retried=self.retried,
             microbatches_lost=self.lost,
-            val_loss=self.val_loss if self.val_loss is not None and 0 <= self.val_loss <= MAX_VAL_LOSS else None,
+            val_loss=_announceable(self.val_loss),
             updated_at=now(),
         )
 
@@ -138,3 +138,8 @@ class Progress:
 
 def _mean(values: list[float]) -> float | None:
     return sum(values) / len(values) if values else None
+
+
+def _announceable(loss: float | None) -> float | None:
+    """A loss the DHT record's bounds accept (finite, 0..MAX_VAL_LOSS), else none: readers refuse the rest."""
+    return loss if loss is not None and 0 <= loss <= MAX_VAL_LOSS else None

@@ -61,7 +61,9 @@ class Trainer:
         for sig in (signal.SIGTERM, signal.SIGINT):
             asyncio.get_running_loop().add_signal_handler(sig, self.stop_requested.set)
         initial = self.initial_peers = resolve_initial_peers(cfg.initial_peers, cfg.swarm)
-        self.dht = await asyncio.to_thread(start_dht, initial, cfg.host, 0, require_bootstrap=not cfg.run_id)
+        self.dht = await asyncio.to_thread(
+            start_dht, initial, cfg.host, 0, require_bootstrap=not cfg.run_id, coordinators=cfg.coordinator_id
+        )
         try:
             return await self._train()
         finally:
@@ -73,7 +75,10 @@ class Trainer:
         if not cfg.run_id:
             runs = await SwarmDHT(self.dht, "").runs()
             if len(runs) != 1:
-                raise ValueError(f"pass --run-id: the swarm lists {len(runs)} runs ({', '.join(runs) or 'none'})")
+                raise ValueError(
+                    f"pass --run-id: the swarm lists {len(runs)} runs its trusted coordinators signed "
+                    f"({', '.join(runs) or 'none'})"
+                )
             cfg.run_id = next(iter(runs))
         swarm = SwarmDHT(self.dht, cfg.run_id)
         spec = await swarm.wait_for_spec(cfg.spec_timeout, initial_peers=self.initial_peers)

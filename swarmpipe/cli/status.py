@@ -15,7 +15,8 @@ from swarmpipe.peer.swarm.dht import SwarmDHT, start_dht
 
 
 async def _read_dht(cfg: StatusConfig) -> list[dict[str, Any]]:
-    dht = await asyncio.to_thread(start_dht, resolve_initial_peers(cfg.initial_peers, cfg.swarm), "127.0.0.1", 0)
+    initial = resolve_initial_peers(cfg.initial_peers, cfg.swarm)
+    dht = await asyncio.to_thread(start_dht, initial, "127.0.0.1", 0, coordinators=cfg.coordinator_id)
     try:
         index = await SwarmDHT(dht, "").runs()
         run_ids = [cfg.run_id] if cfg.run_id else sorted(index)

@@ -8,8 +8,10 @@ import pytest
 from hivemind.utils import ValueWithExpiration
 from pydantic import ValidationError
 
+from swarmpipe.peer.swarm.identity import load_identity
 from swarmpipe.peer.swarm.records import (
     MAX_VAL_LOSS,
+    MAX_VERSION,
     RUNS_INDEX_KEY,
     WIRE_PROTOCOL,
     CheckpointRecord,
@@ -179,36 +181,52 @@ def test_run_index_record() -> None:
 # ------------------------------------------------------------------ parse_subkeyed
 
 
-def test_parse_subkeyed_keeps_valid_and_skips_forged() -> None:
+@pytest.fixture(scope="module")
+def ids():
+    """Three real identities: subkeys carry real public keys, so the key-to-peer-id binding is the real one."""
+    out = [load_identity(None) for _ in range(3)]
+    for identity in out:
+        identity.forget_file()
+    return out
+
+
+def test_parse_subkeyed_keeps_valid_and_skips_forged(ids) -> None:
+    a, b, c = ids
     items = {
-        "peerA": GOOD_STAGE,
-        "peerB": {**GOOD_STAGE, "address": "10.0.0.9:1", "state": "draining"},
-        "forged-throughput": {**GOOD_STAGE, "throughput": -5.0},
-        "forged-address": {**GOOD_STAGE, "address": "not an address"},
-        "forged-state": {**GOOD_STAGE, "state": "supreme"},
-        "wrong-type": "just a string",
-        "missing": {"address": "127.0.0.1:1"},
+        a.owner_subkey(): GOOD_STAGE,
+        b.owner_subkey(): {**GOOD_STAGE, "address": "10.0.0.9:1", "state": "draining"},
+        c.owner_subkey(): {**GOOD_STAGE, "throughput": -5.0},
     }
     out = parse_subkeyed(StageRecord, found(items))
-    assert set(out) == {"peerA", "peerB"}
-    assert out["peerA"] == StageRecord(**GOOD_STAGE)
-    assert out["peerB"].state == "draining"
+    assert set(out) == {a.peer_id, b.peer_id}
+    assert out[a.peer_id] == StageRecord(**GOOD_STAGE)
+    assert out[b.peer_id].state == "draining"
 
 
-def test_parse_subkeyed_skips_non_string_subkeys() -> None:
-    out = parse_subkeyed(StageRecord, vwe({7: vwe(GOOD_STAGE), None: vwe(GOOD_STAGE), "ok": vwe(GOOD_STAGE)}))
-    assert set(out) == {"ok"}
+@pytest.mark.parametrize("bad", [{**GOOD_STAGE, "address": "not an address"}, {**GOOD_STAGE, "state": "supreme"}])
+def test_parse_subkeyed_skips_malformed_values(ids, bad) -> None:
+    assert parse_subkeyed(StageRecord, found({ids[0].owner_subkey(): bad})) == {}
 
 
-def test_parse_subkeyed_signed_subkeys_name_their_owner() -> None:
-    signed = b"12D3KooWowner[owner:ssh-rsa AAAAB3Nza]"
-    out = parse_subkeyed(StageRecord, vwe({signed: vwe(GOOD_STAGE), b"x" * 300: vwe(GOOD_STAGE)}))
-    assert set(out) == {"12D3KooWowner"}
+def test_parse_subkeyed_skips_unsigned_subkeys(ids) -> None:
+    """Plain strings, other types and a plain value never count: only a signed subkey names a peer."""
+    out = parse_subkeyed(
+        StageRecord,
+        vwe({7: vwe(GOOD_STAGE), None: vwe(GOOD_STAGE), "ok": vwe(GOOD_STAGE), b"x" * 300: vwe(GOOD_STAGE)}),
+    )
+    assert out == {}
 
 
-def test_parse_subkeyed_item_without_value_wrapper() -> None:
-    out = parse_subkeyed(StageRecord, vwe({"raw": GOOD_STAGE, "wrapped": vwe(GOOD_STAGE)}))
-    assert set(out) == {"wrapped"}
+def test_parse_subkeyed_refuses_a_peer_id_signed_with_another_key(ids) -> None:
+    victim, attacker, _ = ids
+    impersonation = victim.peer_id.encode() + attacker.validator.local_public_key
+    assert parse_subkeyed(StageRecord, found({impersonation: GOOD_STAGE})) == {}
+
+
+def test_parse_subkeyed_item_without_value_wrapper(ids) -> None:
+    a, b, _ = ids
+    out = parse_subkeyed(StageRecord, vwe({a.owner_subkey(): GOOD_STAGE, b.owner_subkey(): vwe(GOOD_STAGE)}))
+    assert set(out) == {b.peer_id}
 
 
 @pytest.mark.parametrize("value", ["spec", 42, [GOOD_STAGE], None])
@@ -221,17 +239,35 @@ def test_parse_subkeyed_none_and_empty() -> None:
     assert parse_subkeyed(StageRecord, found({})) == {}
 
 
-def test_parse_subkeyed_other_record_types() -> None:
+def test_parse_subkeyed_index_entries_only_from_trusted_signers(ids) -> None:
+    coordinator, stranger, _ = ids
     runs = parse_subkeyed(
         RunIndexRecord,
         found(
             {
-                "demo": {"run_id": "demo", "num_stages": 2, "updated_at": 1.0},
-                "bad": {"run_id": "bad", "num_stages": -1, "updated_at": 1.0},
+                coordinator.owner_subkey("demo"): {"run_id": "demo", "num_stages": 2, "updated_at": 1.0},
+                coordinator.owner_subkey("bad"): {"run_id": "bad", "num_stages": -1, "updated_at": 1.0},
+                stranger.owner_subkey("trap"): {"run_id": "trap", "num_stages": 1, "updated_at": 1.0},
             }
         ),
+        signers=frozenset({coordinator.peer_id}),
     )
     assert list(runs) == ["demo"] and runs["demo"].num_stages == 2
+
+
+def test_records_bound_versions_and_sizes() -> None:
+    assert parse_record(StageRecord, {**GOOD_STAGE, "version": MAX_VERSION + 1}) is None
+    assert parse_record(StageRecord, {**GOOD_STAGE, "version": 2**64 + 1}) is None
+    assert parse_record(TrainerRecord, {"step": 1, "samples_per_s": 1e12, "updated_at": 1.0}) is None
+    assert (
+        parse_record(TrainerRecord, {"step": 1, "samples_per_s": 1.0, "loss": float("nan"), "updated_at": 1.0}) is None
+    )
+    ckpt = {"step": 1, "versions": [-1, 3], "digests": ["a", "b"], "created_at": 1.0}
+    assert parse_record(CheckpointRecord, ckpt) is not None
+    assert parse_record(CheckpointRecord, {**ckpt, "versions": [MAX_VERSION + 1]}) is None
+    assert parse_record(CheckpointRecord, {**ckpt, "versions": [1] * 1000}) is None
+    assert parse_record(CheckpointRecord, {**ckpt, "url": "x" * 5000}) is None
+    assert parse_record(RunIndexRecord, {"run_id": "r" * 500, "num_stages": 1, "updated_at": 1.0}) is None
 
 
 def test_stage_record_protocol_defaults_to_before_versioning() -> None:
@@ -241,17 +277,16 @@ def test_stage_record_protocol_defaults_to_before_versioning() -> None:
     assert parse_record(StageRecord, {**GOOD_STAGE, "protocol": "1"}) is None  # strict: no coercion
 
 
-def test_stage_peers_skips_peers_of_another_wire_protocol(caplog: pytest.LogCaptureFixture) -> None:
+async def test_stage_peers_skips_peers_of_another_wire_protocol(ids, caplog: pytest.LogCaptureFixture) -> None:
     """A peer that speaks another protocol (older, newer, or unversioned) is not offered to callers,
     and is logged once, not on every refresh."""
-    import asyncio
-
     from swarmpipe.peer.swarm.dht import SwarmDHT
 
+    current, old, new = ids
     items = {
-        "peerA": {**GOOD_STAGE, "protocol": WIRE_PROTOCOL},
-        "old-peer": GOOD_STAGE,
-        "new-peer": {**GOOD_STAGE, "address": "10.0.0.7:9", "protocol": WIRE_PROTOCOL + 1},
+        current.owner_subkey(): {**GOOD_STAGE, "protocol": WIRE_PROTOCOL},
+        old.owner_subkey(): GOOD_STAGE,
+        new.owner_subkey(): {**GOOD_STAGE, "address": "10.0.0.7:9", "protocol": WIRE_PROTOCOL + 1},
     }
     swarm = SwarmDHT.__new__(SwarmDHT)  # no DHT: only the record filtering is under test
     swarm.run_id, swarm._incompatible = "r", set()
@@ -263,6 +298,6 @@ def test_stage_peers_skips_peers_of_another_wire_protocol(caplog: pytest.LogCapt
     swarm._get = fake_get
     with caplog.at_level(logging.WARNING, logger="swarmpipe.dht"):
         for _ in range(3):
-            assert set(asyncio.run(swarm.stage_peers(0))) == {"peerA"}
+            assert set(await swarm.stage_peers(0)) == {current.peer_id}
     skipped = [r.getMessage() for r in caplog.records if "wire protocol" in r.getMessage()]
     assert len(skipped) == 2 and any("10.0.0.7:9" in m and f"protocol {WIRE_PROTOCOL + 1}" in m for m in skipped)

@@ -134,7 +134,7 @@ def test_bad_split(data: dict) -> None:
 
 
 def test_zero_stages() -> None:
-    with pytest.raises(SpecError, match="num_stages must be >= 1"):
+    with pytest.raises(SpecError, match="num_stages must be within 1..256"):
         spec_from_dict({"num_stages": 0})
 
 
@@ -256,3 +256,36 @@ def test_retired_checkpoint_every_is_accepted_and_ignored(caplog) -> None:
     spec = spec_from_dict({"checkpoint_every": 100, "num_stages": 3})
     assert spec.num_stages == 3 and not hasattr(spec, "checkpoint_every")
     assert "retired field(s) checkpoint_every" in caplog.text
+
+
+@pytest.mark.parametrize(
+    "section, field, value, words",
+    [
+        ("optimizer", "lr", 1000.0, "lr must be in"),
+        ("optimizer", "lr", -1.0, "lr must be in"),
+        ("optimizer", "betas", (0.9, 1.5), "betas in [0, 1)"),
+        ("limits", "max_stream_mb", 1 << 20, "limits.max_stream_mb"),
+        ("limits", "max_message_mb", 4096, "limits.max_message_mb"),
+        ("limits", "max_tensor_elements", 0, "limits must be >= 1"),
+        ("model", "d_model", 1 << 20, "model.d_model"),
+        ("model", "vocab_size", 1 << 30, "model.vocab_size"),
+    ],
+)
+def test_a_spec_from_the_swarm_must_stay_within_sane_bounds(section, field, value, words) -> None:
+    """A spec arrives over the DHT: even a signed one may not ask a volunteer for absurd limits."""
+    spec = RunSpec()
+    setattr(getattr(spec, section), field, value)
+    with pytest.raises(SpecError) as info:
+        spec.validate()
+    assert words in str(info.value)
+
+
+@pytest.mark.parametrize("run_id", ["", "a" * 129, "has space", "slash/y", "emoji-\u2603"])
+def test_run_ids_are_short_plain_names(run_id) -> None:
+    with pytest.raises(SpecError, match="run_id must be"):
+        RunSpec(run_id=run_id).validate()
+
+
+def test_too_many_stages() -> None:
+    with pytest.raises(SpecError, match="num_stages must be within"):
+        RunSpec(num_stages=257).validate()
