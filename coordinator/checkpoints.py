@@ -21,6 +21,7 @@ import logging
 import os
 import shutil
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -30,8 +31,12 @@ from safetensors.torch import load_file, save_file
 from swarmpipe.coordinator.base_weights import BaseWeights
 from swarmpipe.peer.model.hf_checkpoint import CheckpointError
 from swarmpipe.peer.spec import RunSpec
+from swarmpipe.peer.stage.memory import state_bytes_bound
 from swarmpipe.peer.stage.state import StageState, to_chunks
+from swarmpipe.peer.stage.state_rpcs import PUSH_TIMEOUT_S, VERSION_SLACK
 from swarmpipe.peer.stage.state_transfer import receive_pushed
+from swarmpipe.peer.swarm.identity import Identity
+from swarmpipe.peer.swarm.records import MAX_VERSION, StageRecord
 from swarmpipe.protos import swarm_pb2, swarm_pb2_grpc
 
 log = logging.getLogger("swarmpipe.checkpoints")
@@ -111,13 +116,25 @@ class CheckpointStore:
 
 
 class CheckpointServicer(swarm_pb2_grpc.StageServicer):
-    """The coordinator's side of state transfer: serves checkpoints, accepts handed-over state."""
+    """The coordinator's side of state transfer: serves checkpoints (signed by the coordinator), accepts
+    handed-over state only from a replica announced on that stage, signed by it, of a version it announced."""
 
-    def __init__(self, store: CheckpointStore | None, run_id: str, on_saved=None, base: BaseWeights | None = None):
+    def __init__(
+        self,
+        store: CheckpointStore | None,
+        spec: RunSpec,
+        on_saved=None,
+        base: BaseWeights | None = None,
+        identity: Identity | None = None,
+        stage_members: Callable[[int], Awaitable[dict[str, StageRecord]]] | None = None,
+    ):
         self.store = store
-        self.run_id = run_id
+        self.spec = spec
+        self.run_id = spec.run_id
         self.on_saved = on_saved
         self.base = base  # serves each stage's base weights when the run starts from a HF checkpoint
+        self.identity = identity
+        self.stage_members = stage_members
 
     async def DownloadState(self, request: swarm_pb2.DownloadStateRequest, context: grpc.aio.ServicerContext):
         if request.run_id != self.run_id:
@@ -134,7 +151,7 @@ class CheckpointServicer(swarm_pb2_grpc.StageServicer):
         if state is None:
             await context.abort(grpc.StatusCode.NOT_FOUND, f"no checkpoint of stage {request.stage}")
         try:
-            chunks = to_chunks(state, request.shard, request.num_shards or 1)
+            chunks = to_chunks(state, request.shard, request.num_shards or 1, signer=self.identity)
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         for chunk in chunks:
@@ -143,22 +160,45 @@ class CheckpointServicer(swarm_pb2_grpc.StageServicer):
     async def PushState(self, request_iterator, context: grpc.aio.ServicerContext) -> swarm_pb2.PushStateResponse:
         if self.store is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "this coordinator keeps no checkpoints (--checkpoint-dir)")
+        signed = self.identity is not None
+        cap = max(state_bytes_bound(self.spec, s) for s in range(self.spec.num_stages))
         try:
-            state = await receive_pushed(request_iterator)
+            state = await asyncio.wait_for(receive_pushed(request_iterator, cap, signed=signed), PUSH_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "the pushed state took too long")
         except ValueError as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e)[:300])
         stage = int(state.meta.get("stage", -1))
         if state.meta.get("run_id") != self.run_id or not 0 <= stage < self.store.num_stages:
             await context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT,
-                f"state for run {state.meta.get('run_id')!r} stage {stage} does not belong here",
+                f"state for run {str(state.meta.get('run_id'))[:64]!r} stage {stage} does not belong here",
             )
+        if signed:
+            code, problem = await self._pusher_problem(state, stage)
+            if problem:
+                await context.abort(code, problem)
         manifest = self.store.save({stage: state})
         if self.on_saved is not None:
             await self.on_saved(manifest, reason=f"handoff of stage {stage}")
         return swarm_pb2.PushStateResponse(
             accepted=True, version=state.version, detail=f"checkpointed as step {manifest['step']}"
         )
+
+    async def _pusher_problem(self, state: StageState, stage: int) -> tuple[grpc.StatusCode, str]:
+        """Why a pushed state may not become the stage's checkpoint ('' when it may)."""
+        sender = str(state.meta.get("signed_by", ""))
+        members = await self.stage_members(stage) if self.stage_members is not None else {}
+        record = members.get(sender)
+        if record is None:
+            return grpc.StatusCode.PERMISSION_DENIED, (
+                f"peer {sender[-6:]} is not announced on stage {stage}: only its replicas hand over state"
+            )
+        if not 0 <= state.version <= min(MAX_VERSION, record.version + VERSION_SLACK):
+            return grpc.StatusCode.INVALID_ARGUMENT, (
+                f"pushed version {state.version} is beyond what peer {sender[-6:]} announced ({record.version})"
+            )
+        return grpc.StatusCode.OK, ""
 
     async def Info(self, request: swarm_pb2.InfoRequest, context: grpc.aio.ServicerContext) -> swarm_pb2.InfoResponse:
         return swarm_pb2.InfoResponse(state="coordinator", stage=-1)

@@ -25,12 +25,12 @@ from swarmpipe.peer.config import CoordinatorConfig
 from swarmpipe.peer.events import EventLog
 from swarmpipe.peer.model.hf_checkpoint import resolve_spec
 from swarmpipe.peer.spec import RunSpec, load_spec
+from swarmpipe.peer.stage.error_contract import abort_malformed, generated_handlers, guard_handlers
 from swarmpipe.peer.stage.state import StateError
 from swarmpipe.peer.stage.state_transfer import download_state
 from swarmpipe.peer.swarm.dht import SwarmDHT, start_dht, trust_coordinators, visible_maddrs
 from swarmpipe.peer.swarm.records import CheckpointRecord, PeerState, RunIndexRecord, now
 from swarmpipe.peer.transport.channels import server_options
-from swarmpipe.protos import swarm_pb2_grpc
 
 log = logging.getLogger("swarmpipe.coordinator")
 POLL_PERIOD_S = 2.0
@@ -164,9 +164,17 @@ class Coordinator:
 
     # ------------------------------------------------------------ checkpoints
     async def _start_checkpoint_server(self) -> None:
-        servicer = CheckpointServicer(self.store, self.spec.run_id, on_saved=self._checkpoint_saved, base=self.base)
+        servicer = CheckpointServicer(
+            self.store,
+            self.spec,
+            on_saved=self._checkpoint_saved,
+            base=self.base,
+            identity=self.swarm.identity,
+            stage_members=self.swarm.stage_peers,
+        )
         self.grpc_server = grpc.aio.server(options=server_options(self.spec.limits.max_message_mb))
-        swarm_pb2_grpc.add_StageServicer_to_server(servicer, self.grpc_server)
+        handlers = guard_handlers(generated_handlers(servicer), abort_malformed)  # garbage: INVALID_ARGUMENT
+        self.grpc_server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("swarmpipe.Stage", handlers),))
         port = self.grpc_server.add_insecure_port(f"{self.cfg.host}:{self.cfg.grpc_port}")
         await self.grpc_server.start()
         self.grpc_address = f"{self.cfg.announce_host or self.cfg.host}:{port}"
@@ -192,14 +200,20 @@ class Coordinator:
         """Pull every stage from its most advanced online replica and write one checkpoint."""
         states = {}
         for stage, peers in enumerate(await self.swarm.all_stages(self.spec.num_stages)):
-            online = sorted((r for r in peers.values() if r.state is PeerState.ONLINE), key=lambda r: -r.version)
+            online = sorted(
+                ((pid, r) for pid, r in peers.items() if r.state is PeerState.ONLINE), key=lambda item: -item[1].version
+            )
             saved = ((self.last_checkpoint or {}).get("stages") or {}).get(str(stage), {}).get("version", -1)
-            if online and online[0].version <= saved:
+            if online and online[0][1].version <= saved:
                 continue  # nothing new to save for this stage
-            for record in online[:2]:
+            for peer_id, record in online[:2]:
                 try:
                     states[stage] = await download_state(
-                        [record.address], self.spec.run_id, stage, self.spec.limits.max_message_mb
+                        [record.address],
+                        self.spec.run_id,
+                        stage,
+                        self.spec.limits.max_message_mb,
+                        signers={record.address: frozenset({peer_id})},  # from the peer that announced it
                     )
                     break
                 except StateError as e:

@@ -19,20 +19,22 @@ class Tensor(_message.Message):
     def __init__(self, shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., codec: _Optional[str] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class ForwardRequest(_message.Message):
-    __slots__ = ("run_id", "stage", "microbatch_id", "input", "reply_codec", "evaluate")
+    __slots__ = ("run_id", "stage", "microbatch_id", "input", "reply_codec", "evaluate", "ticket")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     STAGE_FIELD_NUMBER: _ClassVar[int]
     MICROBATCH_ID_FIELD_NUMBER: _ClassVar[int]
     INPUT_FIELD_NUMBER: _ClassVar[int]
     REPLY_CODEC_FIELD_NUMBER: _ClassVar[int]
     EVALUATE_FIELD_NUMBER: _ClassVar[int]
+    TICKET_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     stage: int
     microbatch_id: str
     input: Tensor
     reply_codec: str
     evaluate: bool
-    def __init__(self, run_id: _Optional[str] = ..., stage: _Optional[int] = ..., microbatch_id: _Optional[str] = ..., input: _Optional[_Union[Tensor, _Mapping]] = ..., reply_codec: _Optional[str] = ..., evaluate: _Optional[bool] = ...) -> None: ...
+    ticket: bytes
+    def __init__(self, run_id: _Optional[str] = ..., stage: _Optional[int] = ..., microbatch_id: _Optional[str] = ..., input: _Optional[_Union[Tensor, _Mapping]] = ..., reply_codec: _Optional[str] = ..., evaluate: _Optional[bool] = ..., ticket: _Optional[bytes] = ...) -> None: ...
 
 class ForwardResponse(_message.Message):
     __slots__ = ("output", "version")
@@ -43,7 +45,7 @@ class ForwardResponse(_message.Message):
     def __init__(self, output: _Optional[_Union[Tensor, _Mapping]] = ..., version: _Optional[int] = ...) -> None: ...
 
 class BackwardRequest(_message.Message):
-    __slots__ = ("run_id", "stage", "microbatch_id", "grad_output", "input", "replay", "reply_codec")
+    __slots__ = ("run_id", "stage", "microbatch_id", "grad_output", "input", "replay", "reply_codec", "ticket")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     STAGE_FIELD_NUMBER: _ClassVar[int]
     MICROBATCH_ID_FIELD_NUMBER: _ClassVar[int]
@@ -51,6 +53,7 @@ class BackwardRequest(_message.Message):
     INPUT_FIELD_NUMBER: _ClassVar[int]
     REPLAY_FIELD_NUMBER: _ClassVar[int]
     REPLY_CODEC_FIELD_NUMBER: _ClassVar[int]
+    TICKET_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     stage: int
     microbatch_id: str
@@ -58,7 +61,8 @@ class BackwardRequest(_message.Message):
     input: Tensor
     replay: bool
     reply_codec: str
-    def __init__(self, run_id: _Optional[str] = ..., stage: _Optional[int] = ..., microbatch_id: _Optional[str] = ..., grad_output: _Optional[_Union[Tensor, _Mapping]] = ..., input: _Optional[_Union[Tensor, _Mapping]] = ..., replay: _Optional[bool] = ..., reply_codec: _Optional[str] = ...) -> None: ...
+    ticket: bytes
+    def __init__(self, run_id: _Optional[str] = ..., stage: _Optional[int] = ..., microbatch_id: _Optional[str] = ..., grad_output: _Optional[_Union[Tensor, _Mapping]] = ..., input: _Optional[_Union[Tensor, _Mapping]] = ..., replay: _Optional[bool] = ..., reply_codec: _Optional[str] = ..., ticket: _Optional[bytes] = ...) -> None: ...
 
 class BackwardResponse(_message.Message):
     __slots__ = ("grad_input", "version", "delay", "applied", "dropped_reason")

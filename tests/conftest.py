@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 from pathlib import Path
 
 import pytest
@@ -17,3 +18,12 @@ def swarm(tmp_path: Path):
         s.stop()
         leftovers = [p for p in s.group.procs if p.alive()]
         assert not leftovers, f"processes left behind: {[p.name for p in leftovers]}"
+
+
+@pytest.fixture(autouse=True)
+def _collect_grpc_leftovers(request):
+    """After a test that ran grpc.aio servers or channels in this process, free them now: a hivemind DHT the
+    next test forks would otherwise inherit them and spin forever freeing them without grpc's threads."""
+    yield
+    if request.node.get_closest_marker("unit") is None:
+        gc.collect()

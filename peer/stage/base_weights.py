@@ -18,7 +18,7 @@ from swarmpipe.peer.model import checkpoint_name
 from swarmpipe.peer.model.hf_checkpoint import CheckpointError, HFCheckpoint
 from swarmpipe.peer.stage.runtime import StageRuntime
 from swarmpipe.peer.stage.state import StageState, StateError
-from swarmpipe.peer.stage.state_transfer import download_state
+from swarmpipe.peer.stage.state_transfer import announced_signers, download_state
 from swarmpipe.peer.swarm.dht import SwarmDHT
 from swarmpipe.peer.swarm.records import PeerState
 
@@ -76,6 +76,7 @@ async def load_base_weights(
     errors: list[str] = []
     while True:
         sources: list[tuple[str, list[str]]] = []
+        peers = {}
         if spec.finetune.method == "lora":  # frozen bases: any online replica has exactly the checkpoint's
             peers = await swarm.stage_peers(runtime.stage)
             donors = [r.address for pid, r in peers.items() if pid != events.peer_id and r.state is PeerState.ONLINE]
@@ -86,8 +87,9 @@ async def load_base_weights(
             sources.append(("coordinator", [record.url]))
         for source, addresses in sources:
             try:
+                signers = announced_signers(peers, swarm.coordinators)
                 state = await download_state(
-                    addresses, spec.run_id, runtime.stage, spec.limits.max_message_mb, base=True
+                    addresses, spec.run_id, runtime.stage, spec.limits.max_message_mb, base=True, signers=signers
                 )
                 await runtime.run(runtime.load_base, base_from_state(state, runtime))
             except (StateError, ValueError) as e:

@@ -114,6 +114,9 @@ class PeerDaemon:
         self.averager = ReplicaAverager(self.dht, runtime, self.events) if spec.averaging_interval_s > 0 else None
         metrics = PeerMetrics()
         self.servicer = StageServicer(runtime, peer_id, metrics, self.lifecycle)
+        # shards we serve are signed by us; pushed state is taken only from our stage's announced replicas
+        self.servicer.identity = self.swarm.identity
+        self.servicer.stage_members = lambda: self.swarm.stage_peers(self.servicer.runtime.stage)
         self.servicer.on_state_pushed = lambda state: self.events.emit(
             "state_received", from_version=state.version, digest=state.digest(), version=self.servicer.runtime.version
         )

@@ -24,6 +24,8 @@ the headroom of :func:`check_fits` is for.
 
 from __future__ import annotations
 
+import functools
+import json
 from dataclasses import dataclass
 
 import torch
@@ -32,7 +34,7 @@ from torch import nn
 from swarmpipe.peer.model import build_stage
 from swarmpipe.peer.model.lora import LoRALinear
 from swarmpipe.peer.optim.basis_rotation import is_rotated_param
-from swarmpipe.peer.spec import RunSpec
+from swarmpipe.peer.spec import RunSpec, spec_from_dict
 
 MIB = 1 << 20
 DEFAULT_HEADROOM = 0.9  # share of the free memory a stage may plan to use
@@ -226,6 +228,18 @@ def estimate_stage_memory(
         in_flight=in_flight,
         stash_versions=stash_versions,
     )
+
+
+@functools.lru_cache(maxsize=64)
+def _state_bytes(spec_json: str, stage: int) -> int:
+    estimate = estimate_stage_memory(spec_from_dict(json.loads(spec_json)), stage, in_flight=0, stash_versions=0)
+    return estimate.weights + estimate.optimizer
+
+
+def state_bytes_bound(spec: RunSpec, stage: int) -> int:
+    """The most bytes a transferred state of ``stage`` can take on the wire (weights and optimizer state,
+    with room for encoding): what a receiver lets one sender make it buffer."""
+    return 2 * _state_bytes(json.dumps(spec.to_dict(), sort_keys=True), stage) + (1 << 20)
 
 
 def check_fits(estimate: MemoryEstimate, free_bytes: int, device_name: str, headroom: float = DEFAULT_HEADROOM) -> None:

@@ -7,12 +7,14 @@ Each check raises :class:`RequestError` (with its gRPC status) or :class:`WireEr
 
 from __future__ import annotations
 
+import hashlib
+
 import grpc
 import torch
 
 from swarmpipe.peer.spec import RunSpec
 from swarmpipe.peer.transport import codecs
-from swarmpipe.peer.transport.wire import MAX_ECHOED, WireError, decode
+from swarmpipe.peer.transport.wire import WireError, decode, echo
 from swarmpipe.protos import swarm_pb2
 
 MAX_MICROBATCH_ID = 128
@@ -34,7 +36,7 @@ def check_header(
     if run_id != spec.run_id:
         raise RequestError(
             grpc.StatusCode.FAILED_PRECONDITION,
-            f"wrong run id {run_id[:MAX_ECHOED]!r}: this peer serves run {spec.run_id!r}",
+            f"wrong run id {echo(run_id)}: this peer serves run {spec.run_id!r}",
         )
     if requested_stage != stage:
         raise RequestError(
@@ -102,3 +104,20 @@ def reply_codec(requested: str, default: str) -> str:
         return codecs.resolve(requested or default)
     except codecs.CodecError as e:
         raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, f"reply_codec: {e}") from None
+
+
+MIN_TICKET_BYTES, MAX_TICKET_BYTES = 16, 64
+
+
+def pending_key(caller: str, microbatch_id: str, ticket: bytes) -> str:
+    """The key a forward is kept under until its backward: the caller's address and a digest of its secret
+    ticket come first, so nobody who merely knows (or guesses) a micro-batch id can send its backward, replace
+    it with a forward of their own, or have it evicted by a flood of theirs (the runtime evicts the biggest
+    caller's oldest forward first). No ticket: bound to the caller's address alone."""
+    if ticket and not MIN_TICKET_BYTES <= len(ticket) <= MAX_TICKET_BYTES:
+        raise RequestError(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            f"a ticket is {MIN_TICKET_BYTES}..{MAX_TICKET_BYTES} bytes, got {len(ticket)}",
+        )
+    tag = hashlib.sha256(ticket).hexdigest()[:16] if ticket else "-"
+    return f"{caller}|{tag}|{microbatch_id}"

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, TypeVar
@@ -128,7 +128,7 @@ class StageRuntime(StageWeights):
         for mb in ids:
             self.pending[mb] = group
         while len(self.pending) > self.max_pending:
-            self._forget(next(iter(self.pending)))
+            self._forget(self._eviction_victim())
             self.stats.expired += 1
         self.stats.forwards += len(items)
         self._observe(time.perf_counter() - started, x.shape[0], weight=1 / 3, microbatches=len(items))
@@ -209,6 +209,13 @@ class StageRuntime(StageWeights):
                     shared.dropped_reason,
                 ),
             )
+
+    def _eviction_victim(self) -> str:
+        """The oldest forward of whoever holds the most, so one caller's flood pushes out its own work, not
+        another's. Keys are ``"<caller>|<ticket digest>|<id>"`` (the servicer's ``pending_key``)."""
+        counts = Counter(key.split("|", 1)[0] for key in self.pending)
+        hog = max(counts, key=counts.__getitem__)
+        return next(key for key in self.pending if key.split("|", 1)[0] == hog)
 
     def _forget(self, microbatch_id: str) -> None:
         group = self.pending.pop(microbatch_id, None)

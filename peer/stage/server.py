@@ -6,7 +6,9 @@ Error contract (status code: when):
   NOT_FOUND          backward for a micro-batch this peer holds no forward for
   UNAVAILABLE        the peer is draining or not ready: retry on another replica
   RESOURCE_EXHAUSTED message over the size cap (enforced by grpc itself)
-The peer keeps serving after any of them.
+The peer keeps serving after any of them. Request bytes that do not decode are INVALID_ARGUMENT too,
+before any work; a status detail is short (a caller's strings cut), and a refused request is logged at
+most once per caller per 10 s, never with a traceback (peer/stage/error_contract.py).
 
 Forward and ForwardBackward with ``evaluate`` set are validation: forward-only on the live weights, on
 the compute thread, no batching; nothing is kept (a Backward for that id is NOT_FOUND) and nothing steps.
@@ -24,6 +26,7 @@ import torch
 
 from swarmpipe.peer.stage.coalescer import Coalescer
 from swarmpipe.peer.stage.device import device_info, memory_in_use
+from swarmpipe.peer.stage.error_contract import Rejections, caller_key, generated_handlers, guard_handlers, short
 from swarmpipe.peer.stage.lifecycle import Lifecycle
 from swarmpipe.peer.stage.metrics import PeerMetrics
 from swarmpipe.peer.stage.request_checks import (
@@ -32,6 +35,7 @@ from swarmpipe.peer.stage.request_checks import (
     check_logits_size,
     decode_grad_output,
     decode_stage_input,
+    pending_key,
     reply_codec,
 )
 from swarmpipe.peer.stage.runtime import BackwardResult, StageRuntime, UnknownMicrobatch
@@ -62,6 +66,9 @@ class StageServicer(StateRPCs, swarm_pb2_grpc.StageServicer):
         self.peer_id = peer_id
         self.metrics = metrics or PeerMetrics()
         self.metrics.watch_runtime(lambda: self.runtime)  # stash and device memory, read when scraped
+        self.rejections = Rejections(
+            log, self.metrics.errors, lambda: f"peer {peer_id[-6:]} stage {self.runtime.stage}"
+        )
         self.lifecycle = lifecycle or Lifecycle()  # owned by the daemon; the server only reads it
         self.queue = 0
         self.in_flight = 0
@@ -150,19 +157,14 @@ class StageServicer(StateRPCs, swarm_pb2_grpc.StageServicer):
         try:
             return await handler()
         except RequestError as e:
-            self.metrics.errors.labels(method, e.code.name.lower()).inc()
-            log.info("peer %s stage %d: rejected %s: %s", self.peer_id[-6:], self.runtime.stage, method, e)
-            await context.abort(e.code, str(e))
+            await self.rejections.reject(context, method, e.code, str(e), e.code.name.lower())
         except WireError as e:
-            self.metrics.errors.labels(method, "invalid_tensor").inc()
-            log.info("peer %s stage %d: rejected %s: %s", self.peer_id[-6:], self.runtime.stage, method, e)
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        except UnknownMicrobatch as e:
+            await self.rejections.reject(context, method, grpc.StatusCode.INVALID_ARGUMENT, str(e), "invalid_tensor")
+        except UnknownMicrobatch as e:  # routine (an evicted or validation forward): counted, not logged
             self.metrics.errors.labels(method, "unknown_microbatch").inc()
-            await context.abort(grpc.StatusCode.NOT_FOUND, str(e.args[0]))
+            await context.abort(grpc.StatusCode.NOT_FOUND, short(str(e.args[0])))
         except ValueError as e:
-            self.metrics.errors.labels(method, "invalid_argument").inc()
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            await self.rejections.reject(context, method, grpc.StatusCode.INVALID_ARGUMENT, str(e), "invalid_argument")
         finally:
             self.in_flight -= 1
 
@@ -200,7 +202,7 @@ class StageServicer(StateRPCs, swarm_pb2_grpc.StageServicer):
             reply = reply_codec(request.reply_codec, self.spec.compression.activations)
             self._count_bytes(request.input, incoming=True)
             x = decode_stage_input(self.spec, self.runtime.is_first, request.input)
-            mb = request.microbatch_id
+            mb = pending_key(caller_key(context.peer() or ""), request.microbatch_id, request.ticket)
             if self.runtime.is_last:  # the logits (inference through the swarm): bounded like any tensor
                 check_logits_size(self.spec, x)
             if request.evaluate:  # forward-only on the live weights, nothing kept for a backward
@@ -237,8 +239,9 @@ class StageServicer(StateRPCs, swarm_pb2_grpc.StageServicer):
                 x = decode_stage_input(self.spec, self.runtime.is_first, request.input)
                 result = await self._compute("backward", lambda: self.runtime.replay_backward(x, grad))
             else:
-                await self.siblings.wait(request.microbatch_id)
-                result = await self._queued("backward", lambda: self.backwards.submit((request.microbatch_id, grad)))
+                mb = pending_key(caller_key(context.peer() or ""), request.microbatch_id, request.ticket)
+                await self.siblings.wait(mb)
+                result = await self._queued("backward", lambda: self.backwards.submit((mb, grad)))
             self._after_backward(result)
             response = swarm_pb2.BackwardResponse(
                 version=self.runtime.version,
@@ -328,9 +331,7 @@ class StageServicer(StateRPCs, swarm_pb2_grpc.StageServicer):
                 request_iterator, max_total_bytes=limits.max_stream_mb << 20, what="stream"
             )
         except WireError as e:
-            self.metrics.errors.labels("stream", "invalid_tensor").inc()
-            log.info("peer %s stage %d: rejected stream: %s", self.peer_id[-6:], self.runtime.stage, e)
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            await self.rejections.reject(context, "stream", grpc.StatusCode.INVALID_ARGUMENT, str(e), "invalid_tensor")
             return
         sink: dict = {}  # the reply's tensor bytes, as buffers: framed without a protobuf copy
         response = await getattr(self, method)(request, context, sink)
@@ -341,23 +342,14 @@ class StageServicer(StateRPCs, swarm_pb2_grpc.StageServicer):
             yield frame
 
 
-class _HandlerCapture:
-    """Stands in for a server to catch the generated code's method handlers."""
-
-    def add_generic_rpc_handlers(self, handlers) -> None:
-        pass
-
-    def add_registered_method_handlers(self, service: str, handlers: dict) -> None:
-        self.handlers = dict(handlers)
-
-
 def _stage_method_handlers(servicer: StageServicer) -> dict:
     """The generated handlers, except ``Stream``: it runs without protobuf (de)serializers, so frames
-    arrive and leave as raw bytes and the payload is sliced, not copied into and out of messages."""
-    capture = _HandlerCapture()
-    swarm_pb2_grpc.add_StageServicer_to_server(servicer, capture)
-    capture.handlers["Stream"] = grpc.stream_stream_rpc_method_handler(servicer.Stream)
-    return capture.handlers
+    arrive and leave as raw bytes and the payload is sliced, not copied into and out of messages. The
+    others answer bytes that do not decode with INVALID_ARGUMENT (grpc's own answer is UNKNOWN and a
+    logged traceback)."""
+    handlers = generated_handlers(servicer)
+    handlers["Stream"] = grpc.stream_stream_rpc_method_handler(servicer.Stream)
+    return guard_handlers(handlers, servicer.rejections.malformed)
 
 
 async def start_server(servicer: StageServicer, host: str, port: int) -> tuple[grpc.aio.Server, int]:

@@ -17,16 +17,11 @@ from typing import Any
 
 import torch
 
+from swarmpipe.peer.stage.state_errors import MixedState, StateError
+from swarmpipe.peer.stage.state_signing import ChunkHasher, chunks_hash, sign_meta, unsigned, verify_meta
+from swarmpipe.peer.swarm.identity import Identity
 from swarmpipe.peer.transport.wire import decode, encode
 from swarmpipe.protos import swarm_pb2
-
-
-class StateError(ValueError):
-    """A state that does not fit this stage, or a transfer that ended early."""
-
-
-class MixedState(StateError):
-    """Shards of different snapshots, or weights that do not hash to their announced digest."""
 
 
 @dataclass
@@ -133,38 +128,50 @@ def _jsonable(value: Any) -> Any:
 
 # ---------------------------------------------------------------- wire form
 def to_chunks(
-    state: StageState, shard: int = 0, num_shards: int = 1, codec: str = "none"
+    state: StageState,
+    shard: int = 0,
+    num_shards: int = 1,
+    codec: str = "none",
+    signer: Identity | None = None,
+    purpose: str = "download",
 ) -> list[swarm_pb2.StateChunk]:
-    """Metadata first (in every shard), then this shard's tensors: entries i with i % num_shards == shard."""
+    """Metadata first (in every shard), then this shard's tensors: entries i with i % num_shards == shard.
+    With ``signer`` the metadata carries its signature over the shard (:mod:`state_signing`)."""
     if num_shards < 1 or not 0 <= shard < num_shards:
         raise StateError(f"shard {shard} of {num_shards} does not exist")
     names = sorted(state.tensors)
     mine = [n for i, n in enumerate(names) if i % num_shards == shard]
-    meta = dict(state.meta, names=names, digest=state.wire_digest(codec))
-    chunks = [
+    meta = dict(unsigned(state.meta), names=names, digest=state.wire_digest(codec))
+    meta.pop("signed_by", None)
+    tensors = [
         swarm_pb2.StateChunk(
-            name="", version=state.version, metadata_json=json.dumps(meta), index=0, total=len(mine) + 1
+            name=name, tensor=encode(state.tensors[name], codec), version=state.version, index=i, total=len(mine) + 1
         )
+        for i, name in enumerate(mine, start=1)
     ]
-    for i, name in enumerate(mine, start=1):
-        t = state.tensors[name]
-        chunks.append(
-            swarm_pb2.StateChunk(
-                name=name, tensor=encode(t, codec), version=state.version, index=i, total=len(mine) + 1
-            )
-        )
-    return chunks
+    if signer is not None:
+        meta = sign_meta(meta, chunks_hash(tensors), signer, purpose)
+    head = swarm_pb2.StateChunk(
+        name="", version=state.version, metadata_json=json.dumps(meta), index=0, total=len(mine) + 1
+    )
+    return [head, *tensors]
 
 
 def from_chunks(
-    chunks: Iterable[swarm_pb2.StateChunk], max_elements: int = 1 << 28
+    chunks: Iterable[swarm_pb2.StateChunk], max_elements: int = 1 << 28, purpose: str | None = None
 ) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-    """Validate one shard's stream; returns (metadata, tensors). A stream cut short raises StateError."""
+    """Validate one shard's stream; returns (metadata, tensors). A stream cut short raises StateError.
+
+    ``purpose``: the shard must be signed for it; the signer's peer id is returned as ``meta["signed_by"]``
+    for the caller to judge. Without it a signature is not required (state read back from local disk)."""
     meta: dict[str, Any] | None = None
     tensors: dict[str, torch.Tensor] = {}
     total = None
     count = 0
+    hasher = ChunkHasher()
     for chunk in chunks:
+        if count > 0:
+            hasher.add(chunk)
         if count == 0:
             if not chunk.metadata_json:
                 raise StateError("state stream does not start with metadata")
@@ -180,6 +187,11 @@ def from_chunks(
         count += 1
     if meta is None or count != total:
         raise StateError(f"state stream ended after {count} of {total or '?'} chunks")
+    signed_by = verify_meta(meta, hasher.hexdigest(), purpose) if purpose is not None else None
+    meta = unsigned(meta)
+    meta.pop("signed_by", None)  # only what we verified ourselves says who sent it
+    if signed_by is not None:
+        meta["signed_by"] = signed_by
     return meta, tensors
 
 

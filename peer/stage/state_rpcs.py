@@ -1,22 +1,35 @@
 """The state side of the ``Stage`` service: a joiner downloads a stage's state (or, in a LoRA run, its
 frozen base) from this replica, and a draining replica pushes its newest state here to be averaged in.
-Part of :class:`~swarmpipe.peer.stage.server.StageServicer`, which owns the fields used here."""
+Part of :class:`~swarmpipe.peer.stage.server.StageServicer`, which owns the fields used here.
+
+Both directions are signed (:mod:`swarmpipe.peer.stage.state_signing`): shards we serve carry our signature,
+and a pushed state is taken only from a replica announced on our stage in the DHT, signed by it, no larger
+than a state of this stage can be, and with a version no further ahead than its owner announced."""
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable
 
 import grpc
 
+from swarmpipe.peer.stage.memory import state_bytes_bound
 from swarmpipe.peer.stage.request_checks import RequestError, check_header
-from swarmpipe.peer.stage.state import to_chunks
+from swarmpipe.peer.stage.state import StageState, to_chunks
 from swarmpipe.peer.stage.state_transfer import receive_pushed
-from swarmpipe.peer.swarm.records import PeerState
+from swarmpipe.peer.swarm.identity import Identity
+from swarmpipe.peer.swarm.records import MAX_VERSION, PeerState, StageRecord
 from swarmpipe.protos import swarm_pb2
+
+PUSH_TIMEOUT_S = 120.0  # a push that never closes is cut off, and what it sent is dropped
+VERSION_SLACK = 10_000  # steps a pusher may be ahead of its last announcement (records lag one period)
 
 
 class StateRPCs:
     """``DownloadState`` and ``PushState`` of the stage servicer (mixed into it)."""
+
+    identity: Identity | None = None  # signs the shards we serve; None only in tests without a swarm
+    stage_members: Callable[[], Awaitable[dict[str, StageRecord]]] | None = None  # our stage's signed records
 
     async def DownloadState(self, request: swarm_pb2.DownloadStateRequest, context: grpc.aio.ServicerContext):
         self.metrics.requests.labels("download_state").inc()
@@ -35,7 +48,7 @@ class StateRPCs:
                 # so every shard of one joiner's download comes from the same snapshot.
                 state = await self.donor.get(lambda: self._compute("download_state", self.runtime.export_state))
             chunks = await asyncio.to_thread(
-                to_chunks, state, request.shard, request.num_shards or 1, self.spec.compression.state
+                to_chunks, state, request.shard, request.num_shards or 1, self.spec.compression.state, self.identity
             )
         except (RequestError, ValueError) as e:
             code = e.code if isinstance(e, RequestError) else grpc.StatusCode.INVALID_ARGUMENT
@@ -50,10 +63,17 @@ class StateRPCs:
         """A draining replica hands over its newest state: average it into ours."""
 
         async def handle() -> swarm_pb2.PushStateResponse:
-            state = await receive_pushed(request_iterator)
-            check_header(self.spec, self.runtime.stage, state.meta.get("run_id", ""), int(state.meta.get("stage", -1)))
             if self.state is PeerState.DRAINING:
                 raise RequestError(grpc.StatusCode.UNAVAILABLE, "this peer is draining too")
+            signed = self.identity is not None
+            try:
+                receiving = receive_pushed(request_iterator, self._push_cap(), signed=signed)
+                state = await asyncio.wait_for(receiving, PUSH_TIMEOUT_S)
+            except asyncio.TimeoutError:
+                raise RequestError(grpc.StatusCode.DEADLINE_EXCEEDED, "the pushed state took too long") from None
+            check_header(self.spec, self.runtime.stage, state.meta.get("run_id", ""), int(state.meta.get("stage", -1)))
+            if signed:
+                await self._check_pusher(state)
             await self._compute("push_state", lambda: self.runtime.blend(state))
             if self.on_state_pushed is not None:
                 self.on_state_pushed(state)
@@ -64,3 +84,25 @@ class StateRPCs:
             )
 
         return await self._serve("push_state", context, handle)  # StateError is a ValueError: INVALID_ARGUMENT
+
+    def _push_cap(self) -> int:
+        """The most bytes a pushed state of this stage can take: a bound on what one caller makes us buffer."""
+        return state_bytes_bound(self.spec, self.runtime.stage)
+
+    async def _check_pusher(self, state: StageState) -> None:
+        """Only a replica announced on our stage may hand us its state, and only a version it could have."""
+        sender = state.meta.get("signed_by", "")
+        if self.identity is not None and sender == self.identity.peer_id:
+            raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, "a peer does not push state to itself")
+        members = await self.stage_members() if self.stage_members is not None else {}
+        record = members.get(sender)
+        if record is None:
+            raise RequestError(
+                grpc.StatusCode.PERMISSION_DENIED,
+                f"peer {sender[-6:]} is not announced on stage {self.runtime.stage}: only its replicas push state",
+            )
+        if not 0 <= state.version <= min(MAX_VERSION, record.version + VERSION_SLACK):
+            raise RequestError(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"pushed version {state.version} is beyond what peer {sender[-6:]} announced ({record.version})",
+            )

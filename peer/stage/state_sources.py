@@ -10,7 +10,7 @@ from swarmpipe.peer.events import EventLog
 from swarmpipe.peer.stage.base_weights import load_base_weights
 from swarmpipe.peer.stage.runtime import StageRuntime
 from swarmpipe.peer.stage.state import StateError
-from swarmpipe.peer.stage.state_transfer import download_state, push_state
+from swarmpipe.peer.stage.state_transfer import announced_signers, download_state, push_state
 from swarmpipe.peer.swarm.dht import SwarmDHT
 from swarmpipe.peer.swarm.records import PeerState
 
@@ -30,6 +30,7 @@ async def load_initial_state(swarm: SwarmDHT, runtime: StageRuntime, events: Eve
     peers = await swarm.stage_peers(runtime.stage)
     donors = [r.address for pid, r in peers.items() if pid != events.peer_id and r.state is PeerState.ONLINE]
     sources: list[tuple[str, list[str]]] = [("replicas", donors[:MAX_DONORS])] if donors else []
+    signers = announced_signers(peers, swarm.coordinators)
     checkpoint = await swarm.checkpoint()
     if (
         checkpoint is not None
@@ -43,7 +44,12 @@ async def load_initial_state(swarm: SwarmDHT, runtime: StageRuntime, events: Eve
         bar = DownloadProgress(source)
         try:
             state = await download_state(
-                addresses, spec.run_id, runtime.stage, spec.limits.max_message_mb, on_progress=bar.update
+                addresses,
+                spec.run_id,
+                runtime.stage,
+                spec.limits.max_message_mb,
+                on_progress=bar.update,
+                signers=signers,
             )
             await runtime.run(runtime.import_state, state)
         except (StateError, ValueError) as e:
@@ -79,7 +85,9 @@ async def hand_off_state(swarm: SwarmDHT, runtime: StageRuntime, events: EventLo
         targets.append(("coordinator", checkpoint.url))
     for kind, address in targets:
         try:
-            reply = await push_state(address, state, runtime.spec.limits.max_message_mb, timeout=30)
+            reply = await push_state(
+                address, state, runtime.spec.limits.max_message_mb, timeout=30, signer=swarm.identity
+            )
         except Exception as e:  # unreachable target: try the next one
             events.emit("handoff_failed", level=logging.WARNING, target=kind, address=address, error=str(e)[:200])
             continue

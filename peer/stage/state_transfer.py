@@ -9,6 +9,8 @@
   same export.
 * :func:`push_state`: a draining peer hands its newest state to a replica or the
   coordinator.
+Every shard is signed by its sender (:mod:`state_signing`); with ``signers`` a joiner loads only
+shards signed by the peer that announced the address it fetched them from.
 Both stream :class:`StateChunk` messages; a stream cut off midway fails cleanly
 with :class:`StateError` and nothing half-loaded is ever used.
 """
@@ -18,11 +20,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import defaultdict
 from collections.abc import Awaitable, Callable
 
 import grpc
 
 from swarmpipe.peer.stage.state import MixedState, StageState, StateError, assemble, from_chunks, to_chunks
+from swarmpipe.peer.swarm.identity import Identity
+from swarmpipe.peer.swarm.records import StageRecord
 from swarmpipe.peer.transport.channels import channel_options
 from swarmpipe.protos import swarm_pb2, swarm_pb2_grpc
 
@@ -68,6 +73,7 @@ async def _download_shard(
     max_message_mb: int,
     on_chunk: Callable[[int, int], None] | None,
     base: bool = False,
+    signers: frozenset[str] | None = None,
 ):
     async with grpc.aio.insecure_channel(address, options=channel_options(max_message_mb)) as channel:
         stub = swarm_pb2_grpc.StageStub(channel)
@@ -79,7 +85,30 @@ async def _download_shard(
             chunks.append(chunk)
             if on_chunk is not None:
                 on_chunk(chunk.index + 1, chunk.total)
+    if signers is None:
         return from_chunks(chunks)
+    meta, tensors = from_chunks(chunks, purpose="download")
+    if meta["signed_by"] not in signers:
+        raise StateError(
+            f"{address} served a shard signed by {meta['signed_by'][-6:]}, not by the peer announced there"
+        )
+    return meta, tensors
+
+
+def announced_signers(peers: dict[str, StageRecord], coordinators: frozenset[str]) -> dict[str, frozenset[str]]:
+    """Who must have signed a state shard fetched from each address: the peer whose signed record announced
+    it; for any other address (the checkpoint server the coordinator's record names) a trusted coordinator."""
+    signers: dict[str, frozenset[str]] = defaultdict(lambda: coordinators)
+    for pid, record in peers.items():
+        signers[record.address] = frozenset({pid})
+    return signers
+
+
+def _signers_of(signers: dict[str, frozenset[str]], address: str) -> frozenset[str]:
+    try:
+        return signers[address]  # a defaultdict may name a default (the trusted coordinators)
+    except KeyError:
+        return frozenset()
 
 
 async def download_state(
@@ -89,11 +118,14 @@ async def download_state(
     max_message_mb: int = 64,
     on_progress: Callable[[int, int], None] | None = None,
     base: bool = False,
+    signers: dict[str, frozenset[str]] | None = None,
 ) -> StageState:
     """Pull the stage's state split across ``donors`` (addresses); retries a failed shard elsewhere.
     ``base``: the stage's frozen base weights from the run's base checkpoint instead of its state.
     Shards from different snapshots are never joined: the whole state is then taken from one donor
-    (the newest first), and a donor whose shards still disagree is skipped."""
+    (the newest first), and a donor whose shards still disagree is skipped.
+    ``signers``: address -> the peer ids whose signature a shard from there must carry (the DHT's
+    signed records say who announced each address); None only for tests and local tools."""
     if not donors:
         raise StateError("no donors to download from")
     num_shards = len(donors)
@@ -113,8 +145,9 @@ async def download_state(
         for attempt in range(len(candidates)):
             address = candidates[(shard + attempt) % len(candidates)]
             try:
+                allowed = None if signers is None else _signers_of(signers, address)
                 got = await _download_shard(
-                    address, run_id, stage, shard, num_shards, max_message_mb, progress(shard), base
+                    address, run_id, stage, shard, num_shards, max_message_mb, progress(shard), base, allowed
                 )
                 return got, address
             except (grpc.aio.AioRpcError, StateError, ValueError, asyncio.TimeoutError) as e:
@@ -143,15 +176,28 @@ async def download_state(
 
 
 async def push_state(
-    address: str, state: StageState, max_message_mb: int = 64, timeout: float = 60.0
+    address: str,
+    state: StageState,
+    max_message_mb: int = 64,
+    timeout: float = 60.0,
+    signer: Identity | None = None,
 ) -> swarm_pb2.PushStateResponse:
+    chunks = to_chunks(state, signer=signer, purpose="push")
     async with grpc.aio.insecure_channel(address, options=channel_options(max_message_mb)) as channel:
         stub = swarm_pb2_grpc.StageStub(channel)
-        return await stub.PushState(iter(to_chunks(state)), timeout=timeout)
+        return await stub.PushState(iter(chunks), timeout=timeout)
 
 
-async def receive_pushed(request_iterator) -> StageState:
-    """Server side of PushState: collect and validate the whole stream before anything is used."""
-    chunks = [chunk async for chunk in request_iterator]
-    meta, tensors = from_chunks(chunks)
+async def receive_pushed(request_iterator, max_bytes: int, signed: bool = True) -> StageState:
+    """Server side of PushState: collect (at most ``max_bytes``, counted as they arrive) and validate the
+    whole stream before anything is used. ``signed``: refuse it unless its sender signed it for a push;
+    the sender's peer id is then ``state.meta["signed_by"]`` for the caller to judge."""
+    chunks = []
+    received = 0
+    async for chunk in request_iterator:
+        received += chunk.ByteSize()
+        if received > max_bytes:
+            raise StateError(f"pushed state exceeds {max_bytes >> 20} MiB, more than this stage's state can be")
+        chunks.append(chunk)
+    meta, tensors = from_chunks(chunks, purpose="push" if signed else None)
     return assemble([(meta, tensors)])

@@ -30,7 +30,8 @@ RUNS_INDEX_KEY = "swarmpipe.runs"
 # Bump it on any change an older peer or trainer would misread; peers of another protocol are not
 # routed to (a record without the field predates versioning: protocol 0).
 # 2: the ``evaluate`` flags (an older peer would train on a validation batch).
-WIRE_PROTOCOL = 2
+# 3: signed state shards (an older peer's unsigned push is refused) and forward tickets.
+WIRE_PROTOCOL = 3
 MAX_VAL_LOSS = 1e4  # a trainer's validation loss in nats: finite, 0..MAX_VAL_LOSS, or no record
 MAX_VERSION = 1 << 53  # weight versions and steps: far beyond any run, exact in a float, far from int64 overflow
 _ADDRESS = re.compile(r"^[A-Za-z0-9_.:\-\[\]]{1,255}:\d{1,5}$")

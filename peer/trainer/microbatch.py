@@ -21,7 +21,10 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import hashlib
+import hmac
 import logging
+import os
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -105,6 +108,7 @@ class MicrobatchRunner:
         self.error_feedback = ErrorFeedback()
         self._waiting_since: dict[int, float] = {}
         self._evaluations = 0
+        self._ticket_key = os.urandom(32)  # never leaves this process; tickets derive from it
 
     async def close(self) -> None:
         await self.pool.close()
@@ -287,6 +291,10 @@ class MicrobatchRunner:
             timed.nbytes = request.ByteSize() + sent + response.ByteSize()
         return response
 
+    def _ticket(self, mb_id: str) -> bytes:
+        """This trainer's secret for a micro-batch: a peer lets only its holder send that micro-batch's backward."""
+        return hmac.new(self._ticket_key, mb_id.encode(), hashlib.sha256).digest()[:16]
+
     def _codec(self, role: str, view: PeerView, t: torch.Tensor) -> str:
         configured = self.act_codec if role == "activations" else self.grad_codec
         return self.policy.choose(role, configured, view.address, t.numel() * 4)
@@ -309,6 +317,7 @@ class MicrobatchRunner:
             input=header,
             reply_codec=codec,
             evaluate=evaluate,
+            ticket=b"" if evaluate else self._ticket(mb_id),
         )
         response = await self._call(view, "Forward", request, payloads=[payload])
         return decode(
@@ -362,6 +371,7 @@ class MicrobatchRunner:
             microbatch_id=mb_id,
             grad_output=self._encode_grad(stage, view, grad),
             reply_codec=self._codec("gradients", view, grad),
+            ticket=self._ticket(mb_id),
         )
         payloads: list = [None, None]  # grad_output (error-feedback encoded, in the message), input
         if replay_input is not None:

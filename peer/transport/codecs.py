@@ -29,6 +29,7 @@ ROLES = ("activations", "gradients", "state")
 AUTO_ROLES = ("activations", "gradients")  # state moves once per join: a fixed codec, chosen in the spec
 BLOCK_SIZE = 1024  # blockwise8: one absmax scale per block of this many values
 CHUNK = 1 << 18  # 8-bit codecs work through 1 MiB of float32 at a time: every pass stays in cache
+MAX_ECHOED = 64  # characters of a caller's string that an error message repeats (see echo)
 FP16_MAX = 65504.0
 
 Buffer = memoryview | bytearray | bytes
@@ -253,11 +254,20 @@ REGISTRY: dict[str, Codec] = {
 }
 
 
+def echo(value: str) -> str:
+    """A caller's string as an error message repeats it: its repr, cut to about ``MAX_ECHOED`` characters
+    (a 10 kB dtype string must not come back 10 kB, nor its escapes blow a short one up)."""
+    text = repr(value[: MAX_ECHOED + 1])
+    if len(value) <= MAX_ECHOED and len(text) <= MAX_ECHOED + 2:
+        return text
+    return f"{text[:MAX_ECHOED]}... ({len(value)} characters)"
+
+
 def get(name: str) -> Codec:
     """The codec called ``name``; an unknown name raises :class:`CodecError` (a ValueError)."""
     codec = REGISTRY.get(name)
     if codec is None:
-        raise CodecError(f"unknown codec {name[:32]!r}; known: {', '.join(REGISTRY)}")
+        raise CodecError(f"unknown codec {echo(name)}; known: {', '.join(REGISTRY)}")
     return codec
 
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import grpc
 
-from swarmpipe.peer.transport.wire import WireError
+from swarmpipe.peer.transport.wire import WireError, echo
 from swarmpipe.protos import swarm_pb2
 
 # method -> (request class, response class, request tensor fields, response tensor fields)
@@ -206,7 +206,7 @@ async def reassemble(
     first, first_chunk = _first_frame(first)
     method = expect_method or first.method
     if method not in METHODS:
-        raise WireError(f"{what}: unknown method {first.method!r}; expected one of {', '.join(METHODS)}")
+        raise WireError(f"{what}: unknown method {echo(first.method)}; expected one of {', '.join(METHODS)}")
     req_cls, resp_cls, req_fields, resp_fields = METHODS[method]
     cls, fields = (resp_cls, resp_fields) if expect_method else (req_cls, req_fields)
     sizes = list(first.data_bytes)

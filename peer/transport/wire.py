@@ -15,7 +15,14 @@ import math
 import torch
 
 from swarmpipe.peer.transport import codecs
-from swarmpipe.peer.transport.codecs import BLOCK_SIZE, CHUNK, all_finite, raw_view  # noqa: F401 (re-exported)
+from swarmpipe.peer.transport.codecs import (  # noqa: F401 (re-exported)
+    BLOCK_SIZE,
+    CHUNK,
+    MAX_ECHOED,
+    all_finite,
+    echo,
+    raw_view,
+)
 from swarmpipe.protos import swarm_pb2
 
 DTYPES: dict[str, torch.dtype] = {
@@ -25,7 +32,6 @@ DTYPES: dict[str, torch.dtype] = {
     "int64": torch.int64,
 }
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
-MAX_ECHOED = 32  # characters of a caller's string that an error message repeats
 
 
 class WireError(ValueError):
@@ -78,7 +84,7 @@ def decode(
 ) -> torch.Tensor:
     """Message -> tensor, validating everything an untrusted sender controls."""
     if msg.dtype not in DTYPES:
-        raise WireError(f"{what}: dtype {msg.dtype[:MAX_ECHOED]!r} is not allowed; allowed: {', '.join(DTYPES)}")
+        raise WireError(f"{what}: dtype {echo(msg.dtype)} is not allowed; allowed: {', '.join(DTYPES)}")
     if allowed_dtypes is not None and msg.dtype not in allowed_dtypes:
         raise WireError(f"{what}: dtype {msg.dtype} is not accepted here; expected one of {', '.join(allowed_dtypes)}")
     if len(msg.shape) > 8:
