@@ -29,6 +29,9 @@ class RequestError(Exception):
         self.code = code
 
 
+MAX_ROWS_PER_MICROBATCH = 2  # rows a request may carry, in micro-batches of the spec
+
+
 def check_header(
     spec: RunSpec, stage: int, run_id: str, requested_stage: int, microbatch_id: str | None = None
 ) -> None:
@@ -68,6 +71,9 @@ def decode_stage_input(spec: RunSpec, is_first: bool, msg: swarm_pb2.Tensor) -> 
         )
     if t.shape[1] > model.seq_len or t.shape[0] == 0 or t.shape[1] == 0:
         raise WireError(f"input: sequence length {t.shape[1]} must be 1..{model.seq_len}")
+    max_rows = MAX_ROWS_PER_MICROBATCH * spec.microbatch_size
+    if t.shape[0] > max_rows:  # one caller's request costs at most a few micro-batches of compute and memory
+        raise WireError(f"input: {t.shape[0]} rows, more than {max_rows} ({MAX_ROWS_PER_MICROBATCH} x microbatch_size)")
     if is_first:
         if t.numel() and (int(t.min()) < 0 or int(t.max()) >= model.vocab_size):
             raise WireError(f"input: token ids must lie in [0, {model.vocab_size})")

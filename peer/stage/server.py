@@ -16,6 +16,7 @@ the compute thread, no batching; nothing is kept (a Backward for that id is NOT_
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -50,6 +51,8 @@ from swarmpipe.peer.transport.streaming import TensorView, frames, reassemble
 from swarmpipe.peer.transport.wire import WireError, decode, encode, encode_parts, is_empty
 from swarmpipe.protos import swarm_pb2, swarm_pb2_grpc
 
+CALL_DEADLINE_S = 300.0  # the longest any one call may hold the server (trainers' own deadlines are far shorter)
+MAX_CONCURRENT_RPCS = 512  # beyond this grpc answers RESOURCE_EXHAUSTED: memory per peer stays bounded
 log = logging.getLogger("swarmpipe.server")
 
 
@@ -155,7 +158,16 @@ class StageServicer(StateRPCs, swarm_pb2_grpc.StageServicer):
         self.metrics.requests.labels(method).inc()
         self.in_flight += 1
         try:
-            return await handler()
+            async with asyncio.timeout(CALL_DEADLINE_S):  # a caller without a deadline cannot pin a slot forever
+                return await handler()
+        except TimeoutError:
+            await self.rejections.reject(
+                context,
+                method,
+                grpc.StatusCode.DEADLINE_EXCEEDED,
+                "the call outlived the server's deadline",
+                "deadline",
+            )
         except RequestError as e:
             await self.rejections.reject(context, method, e.code, str(e), e.code.name.lower())
         except WireError as e:
@@ -327,9 +339,15 @@ class StageServicer(StateRPCs, swarm_pb2_grpc.StageServicer):
         """Forward / Backward / ForwardBackward whose messages are too large for one gRPC message."""
         limits = self.spec.limits
         try:
-            method, request = await reassemble(
-                request_iterator, max_total_bytes=limits.max_stream_mb << 20, what="stream"
+            async with asyncio.timeout(CALL_DEADLINE_S):  # a trickling stream is cut off, its bytes dropped
+                method, request = await reassemble(
+                    request_iterator, max_total_bytes=limits.max_stream_mb << 20, what="stream"
+                )
+        except TimeoutError:
+            await self.rejections.reject(
+                context, "stream", grpc.StatusCode.DEADLINE_EXCEEDED, "the stream took too long", "deadline"
             )
+            return
         except WireError as e:
             await self.rejections.reject(context, "stream", grpc.StatusCode.INVALID_ARGUMENT, str(e), "invalid_tensor")
             return
@@ -355,7 +373,9 @@ def _stage_method_handlers(servicer: StageServicer) -> dict:
 async def start_server(servicer: StageServicer, host: str, port: int) -> tuple[grpc.aio.Server, int]:
     """Bind and start; returns the server and the real port (port 0 picks a free one)."""
     tune_allocator()
-    server = grpc.aio.server(options=server_options(servicer.spec.limits.max_message_mb))
+    server = grpc.aio.server(
+        options=server_options(servicer.spec.limits.max_message_mb), maximum_concurrent_rpcs=MAX_CONCURRENT_RPCS
+    )
     handlers = _stage_method_handlers(servicer)
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("swarmpipe.Stage", handlers),))
     server.add_registered_method_handlers("swarmpipe.Stage", handlers)
