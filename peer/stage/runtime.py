@@ -29,6 +29,7 @@ from swarmpipe.peer.model import build_stage, has_base_checkpoint, lm_loss
 from swarmpipe.peer.optim import build_optimizer, set_learning_rate
 from swarmpipe.peer.spec import RunSpec
 from swarmpipe.peer.stage.device import to_device, to_host
+from swarmpipe.peer.stage.gradient_guard import GradientGuard
 from swarmpipe.peer.stage.precision import LossScale, resolve_precision
 from swarmpipe.peer.stage.stash import (  # noqa: F401 (BackwardResult, UnknownMicrobatch: part of this API)
     BackwardResult,
@@ -78,6 +79,7 @@ class StageRuntime(StageWeights):
         self.pending: OrderedDict[str, ForwardGroup] = OrderedDict()  # micro-batch id -> its forward
         self.max_pending = max_pending
         self.stats = RuntimeStats()
+        self.gradient_guard = GradientGuard()
         self._accumulated = 0
         self._snapshot: tuple[int, dict[str, torch.Tensor]] | None = None
         self.speed = ThroughputEstimate(spec.microbatch_size)
@@ -341,6 +343,10 @@ class StageRuntime(StageWeights):
         if not all(g is None or bool(torch.isfinite(g).all()) for g in grads.values()):
             self.stats.dropped_nonfinite += count
             return BackwardResult(None, delay, False, "non-finite gradient")
+        outlier = self.gradient_guard.check_grads(grads.values(), count)
+        if outlier:
+            self.stats.dropped_outlier += count
+            return BackwardResult(None, delay, False, outlier)
         for name, p in self.trainable().items():
             g = grads.get(name)
             if g is None:
