@@ -190,6 +190,8 @@ class StageServicer(StateRPCs, swarm_pb2_grpc.StageServicer):
         self.metrics.delay.observe(result.delay)
         if not result.applied:
             self.metrics.dropped.labels(result.dropped_reason.split(":")[0]).inc()
+            if result.dropped_reason.startswith("outlier"):  # rare, and worth a line: a bad or hostile trainer
+                log.warning("peer %s stage %d: %s", self.peer_id[-6:], self.runtime.stage, result.dropped_reason)
         # Local steps, not versions: a version jumps when another replica's weights are averaged in.
         self.metrics.optimizer_steps.inc(self.runtime.stats.steps - self._reported_steps)
         self._reported_steps = self.runtime.stats.steps
