@@ -34,12 +34,14 @@ def test_a_scaled_gradient_is_refused_and_not_learned() -> None:
     assert reason.startswith("outlier gradient") and "x the typical" in reason
     assert guard.typical_norm == before  # an attacker cannot drag the statistics up with its outliers
     assert guard.check(1.2) == ""
+    assert guard.check(2e3).startswith("outlier gradient")
 
 
 def test_ordinary_spikes_and_slow_drift_pass() -> None:
     guard = GradientGuard()
     _warm(guard)
     assert guard.check(5.0) == ""  # 5x: a loss spike, not an attack
+    assert guard.check(600.0) == ""  # what an async swarm's stage 0 saw after a membership change
     for step in range(300):  # norms falling 100x over training, as they do
         assert guard.check(1.0 * 0.985**step) == "", step
 
