@@ -1,20 +1,16 @@
 """One micro-batch's journey: forwards through every stage, loss, backwards, with retries.
 
-The trainer keeps each stage's input until that stage acknowledged the
-backward, so any step can be redone on another replica:
-  * a failed Forward / ForwardBackward is retried on another replica;
-  * a failed Backward (peer gone, record expired, draining) is replayed on a
-    live replica from the kept input and output gradient (``replay=True``).
-A micro-batch ends ``completed`` (stage 0 acknowledged its backward),
-``dropped_stale`` (a stage refused the gradient as too old), or ``failed``
-(a stage had no live replica for ``wait_timeout``, or every replica rejected it
-as invalid). A replica that moved to another stage is dropped from the view.
+The trainer keeps each stage's input until that stage acknowledged the backward, so any step can be redone on
+another replica: a failed Forward / ForwardBackward is retried on another replica, a failed Backward (peer gone,
+record expired, draining) is replayed on a live replica from the kept input and output gradient (``replay=True``).
+A micro-batch ends ``completed`` (stage 0 acknowledged its backward), ``dropped_stale`` (a stage refused the
+gradient: too old, or an outlier), or ``failed`` (a stage had no live replica for ``wait_timeout``, or every
+replica rejected it as invalid). A replica that moved to another stage is dropped from the view.
 
-The runner only reports: ``run`` returns a ``MicrobatchOutcome`` and the
-trainer folds it into its progress. ``evaluate`` takes a validation batch forward
-only (``evaluate`` flag: peers keep nothing, step nothing) with the same routing
-and retries, and returns its loss. While waiting for a replica it asks the
-``SwarmView`` it holds for a fresh read of the DHT.
+The runner only reports: ``run`` returns a ``MicrobatchOutcome`` and the trainer folds it into its progress.
+``evaluate`` takes a validation batch forward only (``evaluate`` flag: peers keep nothing, step nothing) with the
+same routing and retries, and returns its loss. While waiting for a replica it asks the ``SwarmView`` it holds for
+a fresh read of the DHT.
 """
 
 from __future__ import annotations
