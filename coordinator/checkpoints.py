@@ -33,10 +33,10 @@ from swarmpipe.peer.model.hf_checkpoint import CheckpointError
 from swarmpipe.peer.spec import RunSpec
 from swarmpipe.peer.stage.memory import state_bytes_bound
 from swarmpipe.peer.stage.state import StageState, to_chunks
-from swarmpipe.peer.stage.state_rpcs import PUSH_TIMEOUT_S, VERSION_SLACK
+from swarmpipe.peer.stage.state_rpcs import PUSH_TIMEOUT_S, pusher_problem
 from swarmpipe.peer.stage.state_transfer import receive_pushed
 from swarmpipe.peer.swarm.identity import Identity
-from swarmpipe.peer.swarm.records import MAX_VERSION, StageRecord
+from swarmpipe.peer.swarm.records import StageRecord
 from swarmpipe.protos import swarm_pb2, swarm_pb2_grpc
 
 log = logging.getLogger("swarmpipe.checkpoints")
@@ -187,18 +187,8 @@ class CheckpointServicer(swarm_pb2_grpc.StageServicer):
 
     async def _pusher_problem(self, state: StageState, stage: int) -> tuple[grpc.StatusCode, str]:
         """Why a pushed state may not become the stage's checkpoint ('' when it may)."""
-        sender = str(state.meta.get("signed_by", ""))
         members = await self.stage_members(stage) if self.stage_members is not None else {}
-        record = members.get(sender)
-        if record is None:
-            return grpc.StatusCode.PERMISSION_DENIED, (
-                f"peer {sender[-6:]} is not announced on stage {stage}: only its replicas hand over state"
-            )
-        if not 0 <= state.version <= min(MAX_VERSION, record.version + VERSION_SLACK):
-            return grpc.StatusCode.INVALID_ARGUMENT, (
-                f"pushed version {state.version} is beyond what peer {sender[-6:]} announced ({record.version})"
-            )
-        return grpc.StatusCode.OK, ""
+        return pusher_problem(state, stage, members)
 
     async def Info(self, request: swarm_pb2.InfoRequest, context: grpc.aio.ServicerContext) -> swarm_pb2.InfoResponse:
         return swarm_pb2.InfoResponse(state="coordinator", stage=-1)

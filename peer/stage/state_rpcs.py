@@ -91,18 +91,26 @@ class StateRPCs:
 
     async def _check_pusher(self, state: StageState) -> None:
         """Only a replica announced on our stage may hand us its state, and only a version it could have."""
-        sender = state.meta.get("signed_by", "")
-        if self.identity is not None and sender == self.identity.peer_id:
+        if self.identity is not None and state.meta.get("signed_by") == self.identity.peer_id:
             raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, "a peer does not push state to itself")
         members = await self.stage_members() if self.stage_members is not None else {}
-        record = members.get(sender)
-        if record is None:
-            raise RequestError(
-                grpc.StatusCode.PERMISSION_DENIED,
-                f"peer {sender[-6:]} is not announced on stage {self.runtime.stage}: only its replicas push state",
-            )
-        if not 0 <= state.version <= min(MAX_VERSION, record.version + VERSION_SLACK):
-            raise RequestError(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"pushed version {state.version} is beyond what peer {sender[-6:]} announced ({record.version})",
-            )
+        code, problem = pusher_problem(state, self.runtime.stage, members)
+        if problem:
+            raise RequestError(code, problem)
+
+
+def pusher_problem(state: StageState, stage: int, members: dict[str, StageRecord]) -> tuple[grpc.StatusCode, str]:
+    """Why a pushed state may not be taken ('' when it may): its signer must be announced on ``stage`` (the
+    stage's signed records, ``members``) and its version no further ahead than that signer announced. Peers and
+    the coordinator's checkpoint server apply the same rule."""
+    sender = str(state.meta.get("signed_by", ""))
+    record = members.get(sender)
+    if record is None:
+        return grpc.StatusCode.PERMISSION_DENIED, (
+            f"peer {sender[-6:]} is not announced on stage {stage}: only its replicas hand over state"
+        )
+    if not 0 <= state.version <= min(MAX_VERSION, record.version + VERSION_SLACK):
+        return grpc.StatusCode.INVALID_ARGUMENT, (
+            f"pushed version {state.version} is beyond what peer {sender[-6:]} announced ({record.version})"
+        )
+    return grpc.StatusCode.OK, ""
