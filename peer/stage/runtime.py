@@ -26,10 +26,10 @@ import torch
 from torch.func import functional_call
 
 from swarmpipe.peer.model import build_stage, has_base_checkpoint, lm_loss
+from swarmpipe.peer.norm_guard import NormGuard
 from swarmpipe.peer.optim import build_optimizer, set_learning_rate
 from swarmpipe.peer.spec import RunSpec
 from swarmpipe.peer.stage.device import to_device, to_host
-from swarmpipe.peer.stage.gradient_guard import GradientGuard
 from swarmpipe.peer.stage.precision import LossScale, resolve_precision
 from swarmpipe.peer.stage.stash import (  # noqa: F401 (BackwardResult, UnknownMicrobatch: part of this API)
     BackwardResult,
@@ -79,7 +79,7 @@ class StageRuntime(StageWeights):
         self.pending: OrderedDict[str, ForwardGroup] = OrderedDict()  # micro-batch id -> its forward
         self.max_pending = max_pending
         self.stats = RuntimeStats()
-        self.gradient_guard = GradientGuard()
+        self.gradient_guard = NormGuard()
         self._accumulated = 0
         self._snapshot: tuple[int, dict[str, torch.Tensor]] | None = None
         self.speed = ThroughputEstimate(spec.microbatch_size)

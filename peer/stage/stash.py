@@ -61,7 +61,7 @@ class RuntimeStats:
     steps: int = 0
     dropped_stale: int = 0
     dropped_nonfinite: int = 0
-    dropped_outlier: int = 0  # gradients far outside the stage's running norm statistics (gradient_guard.py)
+    dropped_outlier: int = 0  # gradients far outside the stage's running norm statistics (norm_guard.py)
     recomputed: int = 0  # backwards of batched forwards whose siblings came apart (one extra forward each)
     expired: int = 0
     dropped_stash_bound: int = 0  # forwards whose stashed version was dropped to keep the stash bound

@@ -10,7 +10,7 @@ import pytest
 
 pytestmark = pytest.mark.unit
 ROOT = Path(__file__).resolve().parents[2]
-SHARED = {"spec", "config", "events"}
+SHARED = {"spec", "config", "events", "norm_guard"}
 
 # layer -> the layers it may import (itself always allowed)
 ALLOWED: dict[str, set[str]] = {

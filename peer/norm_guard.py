@@ -1,16 +1,18 @@
-"""Gradients far outside what a stage has seen are refused before they touch its weights.
+"""Values far outside what has been seen are refused before they are used: NaN/Inf, and finite outliers.
 
-A poisoned contribution (a gradient scaled by 1e4, or a trainer's broken batch) is finite, so the NaN/Inf check
-lets it through, and clipping only shrinks it to the clip norm: one such gradient per step still steers the
-weights as far as clipping allows, in the attacker's direction. The guard keeps running statistics of the
-log-norm of accepted gradients (per micro-batch) and refuses one whose norm exceeds the typical norm by more
-than ``factor`` *and* by more than ``sigmas`` standard deviations of the log-norm: honest training's slow drift
-and its spikes pass, a 1000x outlier does not. Refused gradients are counted and reported to the caller
-(``dropped_reason``), as stale ones are; nothing is learned from them, so an attacker cannot drag the
-statistics up with its own outliers.
+A poisoned contribution (a gradient or an activation scaled by 1e4, or a trainer's broken batch) is finite, so
+the NaN/Inf check lets it through, and clipping only shrinks a gradient to the clip norm: one such gradient per
+step still steers the weights as far as clipping allows, in the attacker's direction. The guard keeps running
+statistics of the log-norm of accepted values and refuses one whose norm exceeds the typical norm by more than
+``factor`` *and* by more than ``sigmas`` standard deviations of the log-norm: honest training's slow drift and
+its spikes pass, a 1000x outlier does not. Nothing is learned from a refused value, so an attacker cannot drag
+the statistics up with its own outliers.
 
-What it does not catch: a gradient of ordinary size that points the wrong way (a sign flip); that needs
-comparing replicas' outputs (trainer-side verification, issue 14 item 4).
+Used by stages on the gradients they apply (``StageRuntime``: refused ones are counted and reported to the
+caller as not applied) and by trainers on the activations and gradients they pass on between stages.
+
+What it does not catch: a value of ordinary size that is wrong (a sign flip, noise); that needs comparing
+replicas' outputs (the trainer's ``ReplicaVerifier``).
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ import torch
 
 
 @dataclass
-class GradientGuard:
+class NormGuard:
+    what: str = "gradient"  # names the value in refusals
     warmup: int = 20  # accepted gradients before the guard judges (early training norms move fast)
     # An asynchronous swarm's honest gradients spike: stage 0 saw 665x its typical norm right after a peer
     # moved to stage 1 (tests/fault, measured). Clipping already bounds each step, so the guard refuses only
@@ -38,13 +41,13 @@ class GradientGuard:
     def check(self, norm: float) -> str:
         """'' to accept ``norm`` (and learn from it), else why it is refused."""
         if not math.isfinite(norm) or norm < 0:
-            return "non-finite gradient"
+            return f"non-finite {self.what}"
         log_norm = math.log(max(norm, 1e-30))
         if self.seen >= self.warmup:
             margin = max(math.log(self.factor), self.sigmas * math.sqrt(self.var))
             if log_norm > self.mean + margin:
                 typical = math.exp(self.mean)
-                return f"outlier gradient: norm {norm:.3g} is {norm / typical:.0f}x the typical {typical:.3g}"
+                return f"outlier {self.what}: norm {norm:.3g} is {norm / typical:.0f}x the typical {typical:.3g}"
         self._learn(log_norm)
         return ""
 

@@ -1,4 +1,4 @@
-"""GradientGuard: a gradient far above the stage's running norm is refused; honest drift and spikes pass."""
+"""NormGuard: a gradient far above the stage's running norm is refused; honest drift and spikes pass."""
 
 from __future__ import annotations
 
@@ -7,27 +7,27 @@ import random
 import pytest
 import torch
 
+from swarmpipe.peer.norm_guard import NormGuard
 from swarmpipe.peer.spec import load_spec
-from swarmpipe.peer.stage.gradient_guard import GradientGuard
 from swarmpipe.peer.stage.runtime import StageRuntime
 
 pytestmark = pytest.mark.unit
 
 
-def _warm(guard: GradientGuard, norm: float = 1.0, n: int = 40, jitter: float = 0.3, seed: int = 0) -> None:
+def _warm(guard: NormGuard, norm: float = 1.0, n: int = 40, jitter: float = 0.3, seed: int = 0) -> None:
     rng = random.Random(seed)
     for _ in range(n):
         assert guard.check(norm * (1 + rng.uniform(-jitter, jitter))) == ""
 
 
 def test_nothing_is_judged_during_warm_up() -> None:
-    guard = GradientGuard(warmup=5)
+    guard = NormGuard(warmup=5)
     for norm in (1.0, 1e4, 1e-3, 50.0, 1.0):
         assert guard.check(norm) == ""
 
 
 def test_a_scaled_gradient_is_refused_and_not_learned() -> None:
-    guard = GradientGuard()
+    guard = NormGuard()
     _warm(guard)
     before = guard.typical_norm
     reason = guard.check(1e4)
@@ -38,7 +38,7 @@ def test_a_scaled_gradient_is_refused_and_not_learned() -> None:
 
 
 def test_ordinary_spikes_and_slow_drift_pass() -> None:
-    guard = GradientGuard()
+    guard = NormGuard()
     _warm(guard)
     assert guard.check(5.0) == ""  # 5x: a loss spike, not an attack
     assert guard.check(600.0) == ""  # what an async swarm's stage 0 saw after a membership change
@@ -47,7 +47,7 @@ def test_ordinary_spikes_and_slow_drift_pass() -> None:
 
 
 def test_non_finite_and_negative_norms_are_refused() -> None:
-    guard = GradientGuard()
+    guard = NormGuard()
     assert guard.check(float("nan")) and guard.check(float("inf")) and guard.check(-1.0)
 
 
