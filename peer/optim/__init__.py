@@ -16,10 +16,10 @@ import torch
 from torch import nn
 
 from swarmpipe.peer.optim.basis_rotation import BasisRotationAdam, rotation_param_groups
-from swarmpipe.peer.optim.nesterov import PipelineNesterov, stage_beta1, stage_delay
+from swarmpipe.peer.optim.nesterov import PipelineNesterov, correction_horizon, stage_beta1, stage_delay
 from swarmpipe.peer.spec import OptimizerSpec
 
-# Horizon T of the no-stash learning-rate correction when the spec has no total_steps.
+# Horizon T_c of the no-stash learning-rate correction when the spec has no total_steps.
 DEFAULT_CORRECTION_STEPS = 1000
 
 
@@ -42,7 +42,8 @@ def build_optimizer(
     * ``adamw``: torch AdamW (the naive asynchronous baseline).
     * ``nesterov``: :class:`PipelineNesterov` with beta1 = ``spec.nesterov_beta1`` (0.99 by
       default; ``spec.betas[0]`` is ignored, ``spec.betas[1]`` is beta2). With
-      ``spec.stash`` False the beta1 grows with the stage's delay (:func:`stage_beta1`).
+      ``spec.stash`` False beta1 moves from ``spec.betas[0]`` towards ``nesterov_beta1`` with the
+      stage's delay (:func:`stage_beta1`, the reference code's adaptive momentum).
     * ``basis_rotation``: :class:`BasisRotationAdam`; attention/MLP matrices rotated,
       everything else plain AdamW in a second param group.
     """
@@ -51,7 +52,9 @@ def build_optimizer(
     if spec.kind == "adamw":
         return torch.optim.AdamW(params, lr=spec.lr, betas=spec.betas, eps=spec.eps, weight_decay=spec.weight_decay)
     if spec.kind == "nesterov":
-        beta1 = spec.nesterov_beta1 if spec.stash else stage_beta1(spec.nesterov_beta1, stage, num_stages)
+        beta1 = spec.nesterov_beta1
+        if not spec.stash:
+            beta1 = stage_beta1(spec.betas[0], spec.nesterov_beta1, stage, num_stages)
         return PipelineNesterov(
             params,
             lr=spec.lr,
@@ -73,15 +76,15 @@ def build_optimizer(
 
 
 def stage_lr_factor(spec: OptimizerSpec, step: int, stage: int, num_stages: int) -> float:
-    """No-stash nesterov: ``1 / tau_k ** (1 - min(t / T, 1))``, tau_k = max(1, P - 1 - k); else 1.
+    """No-stash nesterov: ``1 / tau_k ** (1 - min((t + 1) / T_c, 1))``, tau_k = max(1, P - 1 - k); else 1.
 
-    Long-delay stages start with lr / tau_k and reach the full rate at T
-    (``spec.total_steps``, or DEFAULT_CORRECTION_STEPS when that is 0).
+    Long-delay stages start with lr / tau_k and reach the full rate at T_c = 14 % of
+    ``spec.total_steps`` (DEFAULT_CORRECTION_STEPS when that is 0), as the reference code.
     """
     if spec.kind != "nesterov" or spec.stash:
         return 1.0
-    horizon = spec.total_steps if spec.total_steps > 0 else DEFAULT_CORRECTION_STEPS
-    return stage_delay(stage, num_stages) ** -(1.0 - min(step / horizon, 1.0))
+    horizon = correction_horizon(spec.total_steps, DEFAULT_CORRECTION_STEPS)
+    return stage_delay(stage, num_stages) ** -(1.0 - min((step + 1) / horizon, 1.0))
 
 
 def set_learning_rate(

@@ -6,21 +6,35 @@ points the wrong way. Basis rotation runs Adam's second moment in an approximate
 eigenbasis of each weight matrix (bilateral: left and right factors), so the
 delayed updates stay useful.
 
-For every matrix parameter W (m x n) of a ``rotate`` group, with gradient G:
+For every matrix parameter W (m x n) of a ``rotate`` group, with gradient G
+(the paper's Algorithm 1 as its reference code, LOG-postech/basis-rotation, does it):
 
 * ``L <- beta2 L + (1 - beta2) G G^T`` and ``R <- beta2 R + (1 - beta2) G^T G``;
 * eigenbases ``Q_L``, ``Q_R``: full ``eigh`` at the first step, then every
-  ``rotation_every`` steps one power-iteration step ``QR(M Q)``, re-sorted by the
-  estimated eigenvalues ``diag(Q^T M Q)`` (descending) with the second moment
-  permuted to match;
+  ``rotation_every`` steps one power-iteration step: the old basis is sorted by its
+  estimated eigenvalues ``diag(Q^T M Q)`` (descending, the second moment permuted to
+  match), then ``Q <- QR(M Q)``;
 * first moment m in the original space; ``G' = Q_L^T G Q_R``, ``M' = Q_L^T m Q_R``;
   second moment ``v <- beta2 v + (1 - beta2) G'^2`` kept in the rotated space;
-* step ``W <- W (1 - lr wd) - lr Q_L [(M'/bc1) / (sqrt(v/bc2) + eps)] Q_R^T``.
+* step ``W <- W (1 - lr wd) - lr sqrt(bc2) / bc1 * Q_L [M' / (sqrt(v) + eps)] Q_R^T``
+  with ``bc_i = 1 - beta_i^t``: eps sits on the raw ``sqrt(v)``, before bias correction,
+  as in the reference code and SOAP. Relative to ``v / bc2`` it is ``eps / sqrt(bc2)``
+  (31.6 eps at step 1 with beta2 = 0.999). That matters right after the first ``eigh``:
+  G' is then diagonal up to float32 residue, and Adam's first step divides every entry by
+  its own magnitude; with eps on ``v / bc2`` (this module before issue 16) a full-rank
+  gradient-sized G got off-diagonal updates of 0.3 lr (RMS), now 0.02 lr. The first
+  ``eigh`` runs in float64 for the same reason (float32 eigenvectors of G G^T mix close
+  eigenvalues); the reference runs it in float32.
 
 Other parameters (``rotate`` False: embeddings, norms, biases, head) get plain AdamW
-math in the same optimizer, so one ``state_dict`` covers the whole stage. With the
-identity basis (``init_basis="identity"``, ``rotation_every=0``) a rotate group is
-exactly AdamW.
+math (torch's: eps after bias correction, as the reference's AdamW for them) in the same
+optimizer, so one ``state_dict`` covers the whole stage. With the identity basis
+(``init_basis="identity"``, ``rotation_every=0``) a rotate group is AdamW up to where
+eps sits.
+
+State per m x n matrix: m, v (2mn), L, R and both bases (2m^2 + 2n^2) floats. For the
+bench's block (width 64: qkv 192x64, proj 64x64, fc 256x64, fc_out 64x256) that is
+4.8x AdamW's 2mn; at m = n it is 3x, and it grows with the ratio of the sides.
 """
 
 from __future__ import annotations
@@ -42,18 +56,25 @@ def _wide(m: torch.Tensor) -> torch.Tensor:
 
 
 def _sorted_eigh(m: torch.Tensor) -> torch.Tensor:
-    """Eigenvectors of a symmetric matrix as columns, by descending eigenvalue."""
-    _, vecs = torch.linalg.eigh(_wide(m))  # no half-precision eigh (bf16 weights)
-    return vecs.flip(-1).contiguous().to(m.dtype)
+    """Eigenvectors of a symmetric matrix as columns, by descending eigenvalue, from a float64 ``eigh``.
+
+    M = G G^T squares G's condition number: in float32 the eigenvectors of close or small
+    eigenvalues are off by angles up to 1e-5..1e-1, and the first step (which divides the
+    rotated gradient by its own magnitude) turns that mixing into full-size updates. Done
+    once per matrix, so the float64 cost does not recur; the refreshes stay in float32."""
+    host = "cpu" if m.device.type == "mps" else m.device  # mps has no float64
+    _, vecs = torch.linalg.eigh(m.to(device=host, dtype=torch.float64))
+    return vecs.flip(-1).to(device=m.device, dtype=m.dtype).contiguous()
 
 
 def _power_step(m: torch.Tensor, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """One power-iteration step with re-orthogonalisation; returns (new basis, permutation)."""
-    q_new, _ = torch.linalg.qr(_wide(m @ q))
-    q_new = q_new.to(m.dtype)
-    estimates = (q_new * (m @ q_new)).sum(dim=0)  # diag(Q^T M Q) without the full product
+    """One power-iteration step (the reference's order): sort the old basis by its estimated
+    eigenvalues, then re-orthogonalise ``M Q``; returns (new basis, permutation)."""
+    mq = m @ q
+    estimates = (q * mq).sum(dim=0)  # diag(Q^T M Q) without the full product
     order = torch.argsort(estimates, descending=True)
-    return q_new[:, order].contiguous(), order
+    q_new, _ = torch.linalg.qr(_wide(mq[:, order]))
+    return q_new.to(m.dtype).contiguous(), order
 
 
 class BasisRotationAdam(torch.optim.Optimizer):
@@ -154,9 +175,10 @@ class BasisRotationAdam(torch.optim.Optimizer):
         exp_avg = state["exp_avg"].lerp_(grad, 1.0 - beta1)
         grad_rot = q_left.T @ grad @ q_right
         v.mul_(beta2).addcmul_(grad_rot, grad_rot, value=1.0 - beta2)
-        denom = (v.sqrt() / (1.0 - beta2**step) ** 0.5).add_(eps)
+        denom = v.sqrt().add_(eps)  # eps before bias correction, as the reference code
         direction = (q_left.T @ exp_avg @ q_right).div_(denom)
-        p.add_(q_left @ direction @ q_right.T, alpha=-lr / (1.0 - beta1**step))
+        step_size = lr * (1.0 - beta2**step) ** 0.5 / (1.0 - beta1**step)
+        p.add_(q_left @ direction @ q_right.T, alpha=-step_size)
 
 
 def rotation_param_groups(named_params: Iterable[tuple[str, torch.nn.Parameter]]) -> list[dict[str, Any]]:

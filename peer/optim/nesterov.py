@@ -1,11 +1,14 @@
 """Nesterov momentum for asynchronous pipeline stages (Ajanthan et al., ICML 2025, arXiv 2505.01099).
 
-The paper's look-ahead NAG, in its practical form for language models: NAdam-style
-Nesterov momentum with a *high* beta1 (0.99) and the NAdam momentum schedule
-``mu_t = beta1 * (1 - 0.5 * 0.96 ** (t * psi))`` (psi = ``momentum_decay``), plus
-decoupled (AdamW-style) weight decay. With beta1 close to 1 the look-ahead term
-``mu_{t+1} m_t`` dominates the step, which extrapolates the weights along the
-momentum direction and so compensates for gradients that are a few steps old.
+The paper's look-ahead NAG, in its practical form for language models (its reference code,
+PluralisResearch/AsyncPP, runs ``torch.optim.NAdam`` with ``betas=(0.99, 0.999)``,
+``momentum_decay=0.004`` and decoupled weight decay): NAdam-style Nesterov momentum with a
+*high* beta1 and the NAdam momentum schedule ``mu_t = beta1 * (1 - 0.5 * 0.96 ** (t * psi))``
+(psi = ``momentum_decay``). The look-ahead term ``mu_{t+1} m_t`` extrapolates the weights
+along the momentum direction, which compensates for gradients a few steps old. It does not
+dominate early: mu_t is 0.50 at t = 1, 0.57 at t = 1000, 0.89 at 10 000 and 0.98 only after
+about 24 000 steps (the paper trains 50 000), so in a run of a few thousand steps the
+step is about half the current (stale) gradient and half the momentum.
 
 Update for step t (g already clipped by the runtime)::
 
@@ -21,15 +24,18 @@ written out here so the pipeline runtime controls its state layout (tensors and
 plain floats only, so ``state_dict()`` can travel to a new replica).
 
 No-stash variant (peers that cannot keep old weight versions, ``OptimizerSpec.stash=False``):
-the gradient then mixes stale activations with live weights, and earlier stages see
-longer delays ``tau_k = max(1, P - 1 - k)``. Two corrections, both per stage:
+the gradient then mixes stale activations with live weights, and earlier stages see longer
+delays. The reference code's two per-stage corrections (``--adaptive_momentum`` and
+``--lr_correction``), with ``d_k = P - 1 - k`` the stage's 1F1B delay:
 
-* momentum: ``beta1_k = min(0.999, 1 - (1 - beta1) / tau_k)`` -- the momentum window
-  ``1 / (1 - beta1)`` grows in proportion to the stage's delay (last stage: beta1;
-  stage 0 of P = 8 with beta1 = 0.99: 0.99857);
-* learning rate: ``lr_k(t) = lr(t) / tau_k ** (1 - min(t / T, 1))`` (see
-  :func:`swarmpipe.peer.optim.set_learning_rate`): small steps for long-delay stages early,
-  the full rate once t reaches T = ``total_steps``.
+* momentum: ``beta1_k = b + d_k * (target - b) / P`` -- from the base b (``betas[0]``,
+  the code's ``--momentum``, 0.9) towards ``target`` (``nesterov_beta1``, the code's
+  constant 0.99) with the delay, never reaching it (last stage: b; stage 0 of P = 8:
+  b + 7/8 (target - b) = 0.97875);
+* learning rate: ``lr_k(t) = lr(t) / tau_k ** (1 - min((t + 1) / T_c, 1))``, tau_k =
+  max(1, d_k), over the first T_c = 14 % of the run (the code's 7 of 50 epochs; see
+  :func:`swarmpipe.peer.optim.set_learning_rate`): small steps for long-delay stages
+  early, the full rate afterwards.
 """
 
 from __future__ import annotations
@@ -39,20 +45,24 @@ from typing import Any
 
 import torch
 
-# Cap for the stage-dependent beta1 of the no-stash variant: keeps the momentum
-# window (1 / (1 - beta1) = 1000 steps) shorter than typical runs.
-NOSTASH_BETA1_MAX = 0.999
+# The reference code's lr correction spans --lr_correction_epoch 7 of its 50 epochs.
+LR_CORRECTION_FRACTION = 7 / 50
 
 
 def stage_delay(stage: int, num_stages: int) -> int:
-    """1F1B delay (in local steps) of a stage's gradients, at least 1 (used by the corrections)."""
+    """1F1B delay (in local steps) of a stage's gradients, at least 1 (the lr correction's tau_k)."""
     return max(1, num_stages - 1 - stage)
 
 
-def stage_beta1(beta1: float, stage: int, num_stages: int) -> float:
-    """No-stash momentum: scale the momentum window with the stage delay, capped."""
-    scaled = 1.0 - (1.0 - beta1) / stage_delay(stage, num_stages)
-    return max(beta1, min(NOSTASH_BETA1_MAX, scaled))  # never below the last stage's beta1
+def stage_beta1(base: float, target: float, stage: int, num_stages: int) -> float:
+    """No-stash momentum: ``base + d_k (target - base) / P`` with d_k = P - 1 - k (0 for the last stage)."""
+    delay = max(0, num_stages - 1 - stage)
+    return base + delay * (target - base) / num_stages
+
+
+def correction_horizon(total_steps: int, fallback: int) -> int:
+    """Steps over which the no-stash lr correction fades out: 14 % of the run, else ``fallback``."""
+    return max(1, round(LR_CORRECTION_FRACTION * total_steps)) if total_steps > 0 else fallback
 
 
 class PipelineNesterov(torch.optim.Optimizer):

@@ -1,4 +1,4 @@
-"""BasisRotationAdam: hand-computed first step, orthogonal bases, AdamW equivalence, state round trip."""
+"""BasisRotationAdam: hand-computed first step, float32 first step, orthogonal bases, AdamW equivalence, state round trip."""
 
 from __future__ import annotations
 
@@ -24,19 +24,41 @@ def _rotation(angle: float) -> torch.Tensor:
 
 def test_first_step_is_adam_in_the_singular_basis() -> None:
     # G = U diag(3, 1) V^T: the eigenbases of G G^T and G^T G are U and V, so the rotated
-    # gradient is diag(3, 1) and Adam's first step there is diag(3/(3+eps), 1/(1+eps)).
+    # gradient is diag(3, 1). The reference code's first step there, by hand: m = (1 - b1) G',
+    # v = (1 - b2) G'^2, step lr sqrt(1 - b2) / (1 - b1) * m / (sqrt(v) + eps).
     u, v = _rotation(0.3), _rotation(-1.1)
     g = u @ torch.diag(torch.tensor([3.0, 1.0], dtype=torch.float64)) @ v.T
-    lr, eps, wd = 0.1, 1e-3, 0.5
+    lr, eps, wd, b1, b2 = 0.1, 1e-3, 0.5, 0.9, 0.999
     w0 = torch.tensor([[1.0, 2.0], [-1.0, 0.5]], dtype=torch.float64)
     p = torch.nn.Parameter(w0.clone())
-    opt = BasisRotationAdam([p], lr=lr, eps=eps, weight_decay=wd, rotate=True)
+    opt = BasisRotationAdam([p], lr=lr, eps=eps, weight_decay=wd, betas=(b1, b2), rotate=True)
     p.grad = g.clone()
     opt.step()
-    direction = u @ torch.diag(torch.tensor([3 / (3 + eps), 1 / (1 + eps)], dtype=torch.float64)) @ v.T
-    torch.testing.assert_close(p.detach(), w0 * (1 - lr * wd) - lr * direction)
+    step = [lr * math.sqrt(1 - b2) / (1 - b1) * (1 - b1) * s / (math.sqrt(1 - b2) * s + eps) for s in (3.0, 1.0)]
+    assert step[1] == pytest.approx(lr / (1 + eps / math.sqrt(1 - b2)))  # eps counts 31.6x at step 1
+    direction = u @ torch.diag(torch.tensor(step, dtype=torch.float64)) @ v.T
+    torch.testing.assert_close(p.detach(), w0 * (1 - lr * wd) - direction)
     # Plain Adam would have stepped by sign(G) instead, which differs.
-    assert not torch.allclose(direction, torch.sign(g), atol=0.1)
+    assert not torch.allclose(direction / lr, torch.sign(g), atol=0.1)
+
+
+def test_float32_first_step_stays_in_the_gradients_singular_basis() -> None:
+    """Issue 16: right after the first eigendecomposition the rotated gradient is diagonal up to
+    float32 residue; Adam's first step divides each entry by its own magnitude, so with eps on
+    v / bc2 (the old code) that residue became off-diagonal updates of 0.2 to 0.4 lr (RMS)."""
+    gen = torch.Generator().manual_seed(0)
+    for m, n in ((64, 64), (96, 32)):
+        k = min(m, n)
+        u = torch.linalg.qr(torch.randn(m, m, generator=gen, dtype=torch.float64))[0][:, :k]
+        v = torch.linalg.qr(torch.randn(n, n, generator=gen, dtype=torch.float64))[0][:, :k]
+        s = torch.logspace(math.log10(5e-2), -3, k, dtype=torch.float64)  # gradient-sized, full rank
+        p = torch.nn.Parameter(torch.zeros(m, n))
+        p.grad = ((u * s) @ v.T).float()
+        BasisRotationAdam([p], lr=1.0, eps=1e-8, weight_decay=0.0, betas=(0.9, 0.999), rotate=True).step()
+        update = -(u.T @ p.detach().double() @ v)  # in the exact singular bases, in units of lr
+        off = update - torch.diag(torch.diagonal(update))
+        assert off.pow(2).mean().sqrt() < 0.05, (m, n, float(off.pow(2).mean().sqrt()))
+        torch.testing.assert_close(torch.diagonal(update), torch.ones(k, dtype=torch.float64), atol=0.05, rtol=0)
 
 
 def test_bases_stay_orthogonal_and_sorted() -> None:
@@ -45,14 +67,21 @@ def test_bases_stay_orthogonal_and_sorted() -> None:
     opt = BasisRotationAdam([p], lr=1e-2, rotation_every=2, rotate=True)
     mix = torch.randn(6, 6, generator=gen)
     for step in range(1, 8):
+        previous = {k: v.clone() for k, v in opt.state[p].items() if k.startswith("q_")}
         p.grad = mix @ torch.randn(6, 4, generator=gen)
         opt.step()
         state = opt.state[p]
-        for q, gg in ((state["q_left"], state["gg_left"]), (state["q_right"], state["gg_right"])):
+        for side in ("left", "right"):
+            q, gg = state[f"q_{side}"], state[f"gg_{side}"]
             torch.testing.assert_close(q.T @ q, torch.eye(q.shape[0]), atol=1e-5, rtol=0)
-            if step == 1 or step % 2 == 0:  # just decomposed or refreshed: sorted by eigenvalue
+            if step == 1:  # just decomposed: sorted by eigenvalue
                 estimates = torch.diag(q.T @ gg @ q)
                 assert torch.all(estimates[:-1] >= estimates[1:] - 1e-6)
+            elif step % 2 == 0:  # refreshed: the old basis sorted by its estimates, then QR(M Q)
+                old = previous[f"q_{side}"]
+                order = torch.argsort(torch.diag(old.T @ gg @ old), descending=True)
+                expected = torch.linalg.qr(gg @ old[:, order])[0]
+                torch.testing.assert_close(q.abs(), expected.abs(), atol=1e-5, rtol=0)
 
 
 def test_power_step_permutes_second_moment_with_basis() -> None:

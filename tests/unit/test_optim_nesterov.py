@@ -61,34 +61,75 @@ def test_build_uses_nesterov_beta1_and_stage_momentum() -> None:
     opt = build_optimizer(stage.named_parameters(), opt_spec, 0, 8)
     assert isinstance(opt, PipelineNesterov)
     assert opt.param_groups[0]["betas"] == (0.99, 0.999)
+    # No stash: the reference code's adaptive momentum, b + d_k (0.99 - b) / P from b = betas[0] = 0.9.
     nostash = OptimizerSpec(kind="nesterov", stash=False)
     betas0 = build_optimizer(stage.named_parameters(), nostash, 0, 8).param_groups[0]["betas"]
-    assert betas0[0] == pytest.approx(1 - 0.01 / 7)
-    # Last and second-to-last stages (tau = 0 -> 1, tau = 1) keep the plain beta1.
-    assert stage_beta1(0.99, 7, 8) == stage_beta1(0.99, 6, 8) == 0.99
-    assert stage_beta1(0.99, 0, 64) == 0.999  # capped
-    assert all(stage_beta1(0.99, k, 8) >= stage_beta1(0.99, k + 1, 8) for k in range(7))
+    assert betas0 == (pytest.approx(0.9 + 7 * 0.09 / 8), 0.999)  # 0.97875
+    assert stage_beta1(0.9, 0.99, 7, 8) == 0.9  # the last stage has no delay: the base
+    assert stage_beta1(0.9, 0.99, 6, 8) == pytest.approx(0.91125)
+    assert stage_beta1(0.9, 0.99, 0, 64) == pytest.approx(0.9 + 63 * 0.09 / 64)
+    assert all(stage_beta1(0.9, 0.99, k, 64) < 0.99 for k in range(64))  # approaches, never reaches
+    assert all(stage_beta1(0.9, 0.99, k, 8) > stage_beta1(0.9, 0.99, k + 1, 8) for k in range(7))
 
 
 def test_nostash_learning_rate_correction() -> None:
     spec = OptimizerSpec(kind="nesterov", stash=False, lr=1e-3, warmup_steps=0, total_steps=100)
-    # lr_k(t) = lr(t) / tau_k ** (1 - t/T), tau_k = max(1, P-1-k).
-    assert stage_lr_factor(spec, 0, 0, 4) == pytest.approx(1 / 3)
-    assert stage_lr_factor(spec, 50, 0, 4) == pytest.approx(3**-0.5)
-    assert stage_lr_factor(spec, 100, 0, 4) == 1.0
-    assert stage_lr_factor(spec, 500, 1, 4) == 1.0
+    # lr_k(t) = lr(t) / tau_k ** (1 - min((t + 1) / T_c, 1)), tau_k = max(1, P-1-k), T_c = 14 % of 100 = 14.
+    assert stage_lr_factor(spec, 0, 0, 4) == pytest.approx(3 ** -(1 - 1 / 14))
+    assert stage_lr_factor(spec, 6, 0, 4) == pytest.approx(3**-0.5)
+    assert stage_lr_factor(spec, 13, 0, 4) == 1.0  # (13 + 1) / 14: done after 14 % of the run
+    assert stage_lr_factor(spec, 50, 0, 4) == 1.0
+    assert stage_lr_factor(spec, 0, 2, 4) == 1.0  # tau = 1
     assert stage_lr_factor(spec, 0, 3, 4) == 1.0
     p = torch.nn.Parameter(torch.zeros(2))
     opt = PipelineNesterov([p])
-    lr = set_learning_rate(opt, spec, 50, 0, 4)
+    lr = set_learning_rate(opt, spec, 6, 0, 4)
     assert opt.param_groups[0]["lr"] == lr
     from swarmpipe.peer.optim import scheduled_lr
 
-    assert lr == pytest.approx(scheduled_lr(spec, 50) * 3**-0.5)
+    assert lr == pytest.approx(scheduled_lr(spec, 6) * 3**-0.5)
     # Stashing peers and other kinds get no correction; total_steps 0 falls back to a fixed horizon.
     assert stage_lr_factor(OptimizerSpec(kind="nesterov"), 0, 0, 4) == 1.0
     assert stage_lr_factor(OptimizerSpec(kind="adamw", stash=False), 0, 0, 4) == 1.0
     assert 1 / 3 < stage_lr_factor(OptimizerSpec(kind="nesterov", stash=False), 10, 0, 4) < 1.0
+
+
+def test_nostash_stage_step_by_hand() -> None:
+    """Stage 0 of P = 4 without stashing, two steps through the factory and set_learning_rate."""
+    spec = OptimizerSpec(
+        kind="nesterov",
+        stash=False,
+        lr=0.1,
+        betas=(0.8, 0.99),
+        nesterov_beta1=0.96,
+        eps=1e-8,
+        weight_decay=0.1,
+        momentum_decay=0.004,
+        warmup_steps=0,
+        total_steps=50,
+        clip_norm=0.0,
+    )
+    p = torch.nn.Parameter(torch.tensor([1.0, -2.0]))
+    opt = build_optimizer([("w", p)], spec, 0, 4)
+    b1, b2, psi, wd = 0.8 + 3 * (0.96 - 0.8) / 4, 0.99, 0.004, 0.1  # beta1_0 = 0.92
+    x, m, v, prod = [1.0, -2.0], [0.0, 0.0], [0.0, 0.0], 1.0
+    for t, g in enumerate(([0.5, -1.0], [-0.25, 2.0]), start=1):
+        # cosine schedule at step t - 1 of 50, then the delay correction over T_c = 7 steps
+        base = 0.1 * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * (t - 1) / 50)))
+        lr = base / 3 ** (1 - t / 7)
+        assert set_learning_rate(opt, spec, t - 1, 0, 4) == pytest.approx(lr)
+        p.grad = torch.tensor(g)
+        opt.step()
+        mu = b1 * (1 - 0.5 * 0.96 ** (t * psi))
+        mu_next = b1 * (1 - 0.5 * 0.96 ** ((t + 1) * psi))
+        prod *= mu
+        for i in range(2):
+            x[i] *= 1 - lr * wd
+            m[i] = b1 * m[i] + (1 - b1) * g[i]
+            v[i] = b2 * v[i] + (1 - b2) * g[i] ** 2
+            denom = math.sqrt(v[i] / (1 - b2**t)) + 1e-8
+            x[i] -= lr * (1 - mu) / (1 - prod) * g[i] / denom + lr * mu_next / (1 - prod * mu_next) * m[i] / denom
+        assert p.detach().tolist() == pytest.approx(x, rel=1e-6)
 
 
 def _train(stage: PipelineStage, opt: torch.optim.Optimizer, spec: OptimizerSpec, batches: list, start: int) -> None:
