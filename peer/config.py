@@ -77,6 +77,12 @@ class TrainerConfig(CommonConfig):
     eval_every: int = opt(0, "validation loss after every N completed micro-batches and at the end (0: off)")
     eval_batches: int = opt(4, "held-out micro-batches in the validation set")
     call_timeout: float = opt(30.0, "deadline for each stage call, seconds")
+    verify_fraction: float = opt(
+        0.05,
+        "Byzantine checks: fraction of micro-batches per stage whose output is recomputed on a second replica "
+        "and whose gradient is probed (0: off; each check costs about one extra forward)",
+    )
+    verify_ban_after: int = opt(3, "failed checks after which this trainer bans a replica (for an hour)")
     wait_timeout: float = opt(600.0, "give up when a stage has had no live replica this long")
     progress: bool = opt(True, "show a progress bar")
     announce_period: float = opt(5.0, "seconds between trainer progress records in the DHT")

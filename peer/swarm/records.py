@@ -16,9 +16,17 @@ import logging
 import re
 import time
 from enum import Enum
-from typing import Any, TypeVar
+from typing import Annotated, Any, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_serializer, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StringConstraints,
+    ValidationError,
+    field_serializer,
+    field_validator,
+)
 
 from swarmpipe.peer.spec import MAX_STAGES  # one bound for spec, records and validators
 from swarmpipe.peer.swarm.identity import split_signed_subkey
@@ -34,6 +42,7 @@ RUNS_INDEX_KEY = "swarmpipe.runs"
 WIRE_PROTOCOL = 3
 MAX_VAL_LOSS = 1e4  # a trainer's validation loss in nats: finite, 0..MAX_VAL_LOSS, or no record
 MAX_VERSION = 1 << 53  # weight versions and steps: far beyond any run, exact in a float, far from int64 overflow
+_PEER_ID = r"^[1-9A-HJ-NP-Za-km-z]{1,64}$"  # base58, as libp2p writes peer ids
 _ADDRESS = re.compile(r"^[A-Za-z0-9_.:\-\[\]]{1,255}:\d{1,5}$")
 
 
@@ -88,6 +97,8 @@ class TrainerRecord(Record):
     microbatches_lost: int = Field(ge=0, le=MAX_VERSION, default=0)
     val_loss: float | None = Field(default=None, ge=0, le=MAX_VAL_LOSS, allow_inf_nan=False)  # newest validation
     updated_at: float
+    # peers this trainer banned because their answers failed verification (peer/trainer/verification.py)
+    banned: list[Annotated[str, StringConstraints(pattern=_PEER_ID)]] = Field(default_factory=list, max_length=32)
 
 
 class CheckpointRecord(Record):

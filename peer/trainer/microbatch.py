@@ -17,10 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
-import hashlib
-import hmac
 import logging
-import os
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -32,12 +29,10 @@ import torch
 from swarmpipe.peer.events import EventLog, short_id
 from swarmpipe.peer.spec import RunSpec
 from swarmpipe.peer.trainer.routing import PeerView
+from swarmpipe.peer.trainer.stage_calls import StageCalls
 from swarmpipe.peer.trainer.swarm_view import SwarmView
-from swarmpipe.peer.transport.channels import ChannelPool
-from swarmpipe.peer.transport.codec_policy import CodecPolicy, ErrorFeedback
-from swarmpipe.peer.transport.streaming import StreamingCaller
-from swarmpipe.peer.transport.wire import WireError, decode, encode, encode_parts
-from swarmpipe.protos import swarm_pb2
+from swarmpipe.peer.trainer.verification import ReplicaVerifier
+from swarmpipe.peer.transport.wire import WireError
 
 log = logging.getLogger("swarmpipe.trainer")
 
@@ -83,31 +78,29 @@ class Journey:
 
 
 class MicrobatchRunner:
-    def __init__(self, spec: RunSpec, view: SwarmView, events: EventLog, call_timeout: float, wait_timeout: float):
+    def __init__(
+        self,
+        spec: RunSpec,
+        view: SwarmView,
+        events: EventLog,
+        call_timeout: float,
+        wait_timeout: float,
+        verify_fraction: float = 0.0,
+        ban_after: int = 2,
+    ):
         self.spec = spec
         self.view = view
         self.router = view.router
         self.events = events
         self.call_timeout = call_timeout
         self.wait_timeout = wait_timeout
-        self.pool = ChannelPool(spec.limits.max_message_mb)
-        cap = spec.limits.max_message_mb << 20
-        # Above 1 MiB (or half the cap) a tensor goes as a chunked stream: no message nears the cap.
-        self.caller = StreamingCaller(
-            threshold_bytes=min(1 << 20, cap // 2),
-            chunk_bytes=min(1 << 20, cap // 2),
-            max_total_bytes=spec.limits.max_stream_mb << 20,
-        )
-        self.act_codec = spec.compression.activations  # "auto": chosen per hop from measured bandwidth
-        self.grad_codec = spec.compression.gradients
-        self.policy = CodecPolicy()
-        self.error_feedback = ErrorFeedback()
+        self.calls = StageCalls(spec, call_timeout)
+        self.verifier = ReplicaVerifier(spec, self.calls, self.router, events, verify_fraction, ban_after)
         self._waiting_since: dict[int, float] = {}
         self._evaluations = 0
-        self._ticket_key = os.urandom(32)  # never leaves this process; tickets derive from it
 
     async def close(self) -> None:
-        await self.pool.close()
+        await self.calls.close()
 
     # ------------------------------------------------------------ the journey
     async def run(self, mb_id: str, tokens: torch.Tensor, targets: torch.Tensor) -> MicrobatchOutcome:
@@ -120,12 +113,18 @@ class MicrobatchRunner:
         try:
             for stage in range(P - 1):
                 out, view = await self._with_retries(
-                    stage, lambda v, s=stage: self._forward(v, s, mb_id, inputs[s]), journey
+                    stage,
+                    lambda v, s=stage: self.calls.forward(v, s, mb_id, inputs[s]),
+                    journey,
+                    check=lambda v, y, s=stage: self._check_output(v, s, inputs[s], y, targets),
                 )
                 inputs.append(out)
                 peers.append(view)
             (loss, grad, dropped), _ = await self._with_retries(
-                P - 1, lambda v: self._forward_backward(v, P - 1, mb_id, inputs[P - 1], targets), journey
+                P - 1,
+                lambda v: self.calls.forward_backward(v, P - 1, mb_id, inputs[P - 1], targets),
+                journey,
+                check=lambda v, r: self._check_gradient(v, P - 1, inputs[P - 1], r[1], None, targets, r[0]),
             )
             if dropped:
                 journey.stale_stages.append(P - 1)
@@ -160,11 +159,14 @@ class MicrobatchRunner:
         try:
             for stage in range(P - 1):
                 x, _ = await self._with_retries(
-                    stage, lambda v, s=stage, x=x: self._forward(v, s, mb_id, x, evaluate=True), journey, measure=False
+                    stage,
+                    lambda v, s=stage, x=x: self.calls.forward(v, s, mb_id, x, evaluate=True),
+                    journey,
+                    measure=False,
                 )
             (loss, _, _), _ = await self._with_retries(
                 P - 1,
-                lambda v, x=x: self._forward_backward(v, P - 1, mb_id, x, targets, evaluate=True),
+                lambda v, x=x: self.calls.forward_backward(v, P - 1, mb_id, x, targets, evaluate=True),
                 journey,
                 measure=False,
             )
@@ -180,7 +182,8 @@ class MicrobatchRunner:
         replay it elsewhere from the kept input. A replay counts as a retry."""
         try:
             self.router.started(view)
-            result = await self._timed(view, self._backward_call(view, stage, mb_id, grad, None))
+            result = await self._timed(view, self.calls.backward(view, stage, mb_id, grad, None))
+            await self._check_gradient(view, stage, inputs, result[0], grad)
             return result
         except (grpc.aio.AioRpcError, asyncio.TimeoutError, WireError) as e:
             reason = _reason(e)
@@ -195,16 +198,46 @@ class MicrobatchRunner:
                 reason=reason,
             )
         (grad_in, dropped), _ = await self._with_retries(
-            stage, lambda v: self._backward_call(v, stage, mb_id, grad, inputs), journey
+            stage,
+            lambda v: self.calls.backward(v, stage, mb_id, grad, inputs),
+            journey,
+            check=lambda v, r: self._check_gradient(v, stage, inputs, r[0], grad),
         )
         return grad_in, dropped
 
+    # ------------------------------------------------------------ verification
+    async def _check_output(
+        self, view: PeerView, stage: int, x: torch.Tensor, y: torch.Tensor, targets: torch.Tensor
+    ) -> None:
+        if self.verifier.sampled():
+            await self.verifier.check_output(view, stage, x, y, targets)
+
+    async def _check_gradient(
+        self,
+        view: PeerView,
+        stage: int,
+        x: torch.Tensor,
+        grad_input: torch.Tensor | None,
+        grad_output: torch.Tensor | None,
+        targets: torch.Tensor | None = None,
+        loss: float | None = None,
+    ) -> None:
+        if grad_input is not None and self.verifier.sampled():
+            await self.verifier.check_gradient(view, stage, x, grad_input, grad_output, targets, loss)
+
     # ------------------------------------------------------------ retries
     async def _with_retries(
-        self, stage: int, call: Callable[[PeerView], Awaitable[T]], journey: Journey, measure: bool = True
+        self,
+        stage: int,
+        call: Callable[[PeerView], Awaitable[T]],
+        journey: Journey,
+        measure: bool = True,
+        check: Callable[[PeerView, T], Awaitable[None]] | None = None,
     ) -> tuple[T, PeerView]:
         """Run ``call(view)`` on the best replica; on failure, ban and try another; wait when none is alive.
-        Every attempt after the first counts as a retry in ``journey``. ``measure``: see :meth:`_timed`."""
+        Every attempt after the first counts as a retry in ``journey``. ``measure``: see :meth:`_timed`.
+        ``check(view, result)``: verification (outside the call's deadline and latency); its ``Disputed``
+        fails the attempt like any error."""
         tried: set[str] = set()
         rejected: set[str] = set()  # replicas that called the request invalid
         first_attempt = True
@@ -220,7 +253,10 @@ class MicrobatchRunner:
             first_attempt = False
             self.router.started(view)
             try:
-                return await self._timed(view, call(view), measure), view
+                result = await self._timed(view, call(view), measure)
+                if check is not None:
+                    await check(view, result)
+                return result, view
             except (grpc.aio.AioRpcError, asyncio.TimeoutError, WireError) as e:
                 ban = self._failed(view, e)
                 tried.add(view.peer_id)
@@ -267,123 +303,6 @@ class MicrobatchRunner:
             self.events.emit("waiting_for_replica", level=logging.WARNING, stage=stage, waited_s=round(t - since))
         await self.view.refresh_now()  # a replica may have joined (or moved here) since the last read
         await asyncio.sleep(1.0)
-
-    # ------------------------------------------------------------ calls
-    async def _call(self, view: PeerView, method: str, request, payloads: list | None = None):
-        """Unary when small, chunked stream when large; one pooled channel per peer; the bytes moved and
-        the time taken feed the per-peer bandwidth estimate that "auto" codecs are chosen from.
-        ``payloads``: the request's tensor bytes as buffers, per tensor field (None: in the message);
-        a streamed request frames them straight from tensor storage."""
-        with self.policy.timed(view.address) as timed:
-            response = await self.caller.call(
-                self.pool.channel(view.address),
-                self.pool.stub(view.address),
-                method,
-                request,
-                timeout=self.call_timeout,
-                payloads=payloads,
-            )
-            sent = sum(memoryview(p).nbytes for p in payloads or () if p is not None)
-            timed.nbytes = request.ByteSize() + sent + response.ByteSize()
-        return response
-
-    def _ticket(self, mb_id: str) -> bytes:
-        """This trainer's secret for a micro-batch: a peer lets only its holder send that micro-batch's backward."""
-        return hmac.new(self._ticket_key, mb_id.encode(), hashlib.sha256).digest()[:16]
-
-    def _codec(self, role: str, view: PeerView, t: torch.Tensor) -> str:
-        configured = self.act_codec if role == "activations" else self.grad_codec
-        return self.policy.choose(role, configured, view.address, t.numel() * 4)
-
-    def _encode_grad(self, stage: int, view: PeerView, grad: torch.Tensor) -> swarm_pb2.Tensor:
-        codec = self._codec("gradients", view, grad)
-        if codec in ("uint8", "blockwise8"):  # 8-bit: carry what quantization lost into the next gradient
-            return self.error_feedback.encode((stage, tuple(grad.shape)), grad, codec)
-        return encode(grad, codec)
-
-    async def _forward(
-        self, view: PeerView, stage: int, mb_id: str, x: torch.Tensor, evaluate: bool = False
-    ) -> torch.Tensor:
-        codec = self._codec("activations", view, x)
-        header, payload = encode_parts(x, codec)
-        request = swarm_pb2.ForwardRequest(
-            run_id=self.spec.run_id,
-            stage=stage,
-            microbatch_id=mb_id,
-            input=header,
-            reply_codec=codec,
-            evaluate=evaluate,
-            ticket=b"" if evaluate else self._ticket(mb_id),
-        )
-        response = await self._call(view, "Forward", request, payloads=[payload])
-        return decode(
-            response.output,
-            max_elements=self.spec.limits.max_tensor_elements,
-            expect_shape=(x.shape[0], x.shape[1], self.spec.model.d_model),
-            what="forward output",
-        ).float()
-
-    async def _forward_backward(
-        self,
-        view: PeerView,
-        stage: int,
-        mb_id: str,
-        x: torch.Tensor,
-        targets: torch.Tensor,
-        evaluate: bool = False,
-    ):
-        """(loss, input gradient, dropped as stale); with ``evaluate``, the loss alone: (loss, None, False)."""
-        header, payload = encode_parts(x, self._codec("activations", view, x))
-        request = swarm_pb2.ForwardBackwardRequest(
-            run_id=self.spec.run_id,
-            stage=stage,
-            microbatch_id=mb_id,
-            input=header,
-            targets=encode(targets),
-            reply_codec=self._codec("gradients", view, x),
-            evaluate=evaluate,
-        )
-        response = await self._call(view, "ForwardBackward", request, payloads=[payload, None])
-        if not torch.isfinite(torch.tensor(response.loss)):
-            raise WireError(f"stage {stage} returned a non-finite loss")
-        if evaluate:
-            return response.loss, None, False
-        grad = None
-        if stage > 0:
-            grad = decode(
-                response.grad_input,
-                max_elements=self.spec.limits.max_tensor_elements,
-                expect_shape=tuple(x.shape),
-                what="grad_input",
-            ).float()
-        return response.loss, grad, not response.applied
-
-    async def _backward_call(
-        self, view: PeerView, stage: int, mb_id: str, grad: torch.Tensor, replay_input: torch.Tensor | None
-    ):
-        request = swarm_pb2.BackwardRequest(
-            run_id=self.spec.run_id,
-            stage=stage,
-            microbatch_id=mb_id,
-            grad_output=self._encode_grad(stage, view, grad),
-            reply_codec=self._codec("gradients", view, grad),
-            ticket=self._ticket(mb_id),
-        )
-        payloads: list = [None, None]  # grad_output (error-feedback encoded, in the message), input
-        if replay_input is not None:
-            header, payloads[1] = encode_parts(replay_input, self._codec("activations", view, replay_input))
-            request.input.CopyFrom(header)
-            request.replay = True
-        response = await self._call(view, "Backward", request, payloads=payloads)
-        grad_in = None
-        if stage > 0:
-            grad_in = decode(
-                response.grad_input,
-                max_elements=self.spec.limits.max_tensor_elements,
-                expect_shape=(grad.shape[0], grad.shape[1], self.spec.model.d_model),
-                what="grad_input",
-            ).float()
-        return grad_in, not response.applied
 
 
 def _should_ban(e: Exception) -> bool:

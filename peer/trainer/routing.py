@@ -55,6 +55,9 @@ class Router:
         self.peers: dict[str, PeerView] = {}
         self.rng = rng or random.Random()
         self.clock = clock
+        # peer id -> clock time until which it is not routed to: verification caught it lying (verification.py).
+        # Kept apart from the views, which a fresh DHT record replaces: re-announcing does not lift it.
+        self.distrusted: dict[str, float] = {}
 
     # ------------------------------------------------------------ membership
     def update_stage(self, stage: int, records: dict[str, StageRecord]) -> None:
@@ -83,7 +86,12 @@ class Router:
     def available(self, stage: int, exclude: set[str] = frozenset()) -> list[PeerView]:
         t = self.clock()
         return [
-            v for v in self.replicas(stage) if v.state == "online" and v.banned_until <= t and v.peer_id not in exclude
+            v
+            for v in self.replicas(stage)
+            if v.state == "online"
+            and v.banned_until <= t
+            and v.peer_id not in exclude
+            and self.distrusted.get(v.peer_id, 0.0) <= t
         ]
 
     # ------------------------------------------------------------ choice
@@ -151,6 +159,10 @@ class Router:
         stale = view.latency_ema is None or self.clock() - view.measured_at > STALE_AFTER_S
         view.latency_ema = seconds if stale else EMA_DECAY * view.latency_ema + (1 - EMA_DECAY) * seconds
         view.measured_at = self.clock()
+
+    def distrust(self, peer_id: str, until: float) -> None:
+        """Route nothing to ``peer_id`` until clock time ``until``, whatever it announces."""
+        self.distrusted[peer_id] = max(until, self.distrusted.get(peer_id, 0.0))
 
     def moved(self, view: PeerView) -> None:
         """The peer answered that it no longer serves this stage (it rebalanced): drop the view now;

@@ -33,6 +33,7 @@ from swarmpipe.peer.events import EventLog
 from swarmpipe.peer.spec import RunSpec
 from swarmpipe.peer.swarm.bootstrap import resolve_initial_peers
 from swarmpipe.peer.swarm.dht import SwarmDHT, reconnect_bootstrap, start_dht
+from swarmpipe.peer.swarm.records import TrainerRecord
 from swarmpipe.peer.trainer.evaluation import Evaluator
 from swarmpipe.peer.trainer.microbatch import MicrobatchRunner
 from swarmpipe.peer.trainer.progress import Progress
@@ -92,7 +93,11 @@ class Trainer:
         self.state_file.restore(self.progress)
         stream = dataset.batches(spec.microbatch_size, cfg.shard, cfg.num_shards, saved.cursor)
         view = SwarmView(swarm, Router(spec.num_stages))
-        runner = MicrobatchRunner(spec, view, self.events, cfg.call_timeout, cfg.wait_timeout)
+        if not 0.0 <= cfg.verify_fraction <= 1.0 or cfg.verify_ban_after < 1:
+            raise ValueError("--verify-fraction must lie in [0, 1] and --verify-ban-after be at least 1")
+        runner = self.runner = MicrobatchRunner(
+            spec, view, self.events, cfg.call_timeout, cfg.wait_timeout, cfg.verify_fraction, cfg.verify_ban_after
+        )
         if cfg.eval_every > 0:
             valid = (await asyncio.to_thread(dataset.validation, spec.microbatch_size))[: cfg.eval_batches]
             self.evaluator = Evaluator(runner, valid, cfg.eval_every, self.events)
@@ -132,7 +137,8 @@ class Trainer:
             if bar is not None:
                 bar.close()
         report = self.progress.report(cfg.run_id, spec.microbatch_size)
-        await swarm.announce_trainer(self.progress.record(spec.microbatch_size), ttl=60)
+        report["verification"] = {**vars(runner.verifier.stats), "banned": dict(runner.verifier.banned)}
+        await swarm.announce_trainer(self._record(spec.microbatch_size), ttl=60)
         self.events.emit("finished", **{k: v for k, v in report.items() if k not in ("losses", "val_losses")})
         if cfg.report:
             tmp = cfg.report + ".tmp"
@@ -246,6 +252,11 @@ class Trainer:
 
         return tqdm(total=self.cfg.steps, desc="training", unit="mb", dynamic_ncols=True)
 
+    def _record(self, microbatch_size: int) -> TrainerRecord:
+        """Progress, and the replicas this trainer banned for failing verification (the coordinator reports them)."""
+        record = self.progress.record(microbatch_size)
+        return record.model_copy(update={"banned": list(self.runner.verifier.banned)})
+
     async def _announce_loop(self, swarm: SwarmDHT, microbatch_size: int) -> None:
         rounds = 0
         while True:
@@ -253,7 +264,7 @@ class Trainer:
             try:
                 if rounds % 3 == 0:  # find a restarted coordinator again
                     await reconnect_bootstrap(self.dht, self.initial_peers)
-                await swarm.announce_trainer(self.progress.record(microbatch_size), ttl=3 * self.cfg.announce_period)
+                await swarm.announce_trainer(self._record(microbatch_size), ttl=3 * self.cfg.announce_period)
             except Exception as e:
                 log.warning("trainer announce failed: %s", e)
             await asyncio.sleep(self.cfg.announce_period)

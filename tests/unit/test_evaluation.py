@@ -147,7 +147,7 @@ async def test_runner_evaluate_sends_evaluate_calls_and_retries_on_another_repli
             return swarm_pb2.ForwardResponse(output=encode(torch.zeros(2, 8, runner.spec.model.d_model)))
         return swarm_pb2.ForwardBackwardResponse(loss=2.5, applied=False)
 
-    runner._call = call
+    runner.calls.call = call
     tokens, targets = batch(2)
     assert await runner.evaluate(tokens, targets) == 2.5
     assert [(p, m) for p, m, _ in sent] == [("a", "Forward"), ("b", "Forward"), ("z", "ForwardBackward")]
@@ -166,7 +166,7 @@ async def test_runner_evaluate_is_none_when_every_replica_rejects_it() -> None:
     async def call(view, method: str, request, payloads=None):
         raise rpc_error(grpc.StatusCode.INVALID_ARGUMENT, "targets must lie in [0, 256)")
 
-    runner._call = call
+    runner.calls.call = call
     assert await runner.evaluate(*batch(2)) is None
 
 
@@ -176,7 +176,7 @@ async def test_runner_evaluate_is_none_when_a_stage_has_no_replica() -> None:
     async def call(view, method: str, request, payloads=None):
         return swarm_pb2.ForwardResponse(output=encode(torch.zeros(2, 8, runner.spec.model.d_model)))
 
-    runner._call = call
+    runner.calls.call = call
     assert await runner.evaluate(*batch(2)) is None
 
 

@@ -142,9 +142,9 @@ class FakeStageCalls:
     ):
         self.loss, self.stale, self.fail = loss, stale, fail or {}
         self.calls: list[tuple[str, str]] = []
-        runner._forward = self.forward
-        runner._forward_backward = self.forward_backward
-        runner._backward_call = self.backward
+        runner.calls.forward = self.forward
+        runner.calls.forward_backward = self.forward_backward
+        runner.calls.backward = self.backward
 
     def _enter(self, method: str, view: PeerView) -> None:
         self.calls.append((method, view.peer_id))

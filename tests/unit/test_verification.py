@@ -1,0 +1,213 @@
+"""ReplicaVerifier: honest replicas pass, a replica that scales, flips or adds noise is struck and banned.
+
+Replicas here are real stage runtimes in this process behind a fake of ``StageCalls``; a liar wraps one and
+corrupts what it returns from training calls (as a Byzantine peer would) or from every call.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+
+import pytest
+import torch
+
+from swarmpipe.peer.events import EventLog
+from swarmpipe.peer.spec import RunSpec
+from swarmpipe.peer.stage.runtime import StageRuntime
+from swarmpipe.peer.swarm.records import StageRecord
+from swarmpipe.peer.trainer.routing import PeerView, Router
+from swarmpipe.peer.trainer.verification import Disputed, ReplicaVerifier, Tolerance, relative_difference
+
+pytestmark = [pytest.mark.unit, pytest.mark.timeout(120)]
+
+Corrupt = Callable[[torch.Tensor], torch.Tensor]
+HONEST: Corrupt = lambda t: t  # noqa: E731
+FLIP: Corrupt = lambda t: -t  # noqa: E731
+SCALE: Corrupt = lambda t: 3.0 * t  # noqa: E731
+
+
+def NOISE(t: torch.Tensor) -> torch.Tensor:  # noqa: N802 - reads like the other modes
+    return t + t.pow(2).mean().sqrt() * torch.randn(t.shape, generator=torch.Generator().manual_seed(7))
+
+
+class Replicas:
+    """peer id -> (runtime, corruption of training answers, corruption of forward-only answers)."""
+
+    def __init__(self, spec: RunSpec):
+        self.spec = spec
+        self.peers: dict[str, tuple[StageRuntime, Corrupt, Corrupt]] = {}
+        self.calls: list[tuple[str, str, bool]] = []
+
+    def add(self, peer_id: str, stage: int, training: Corrupt = HONEST, probes: Corrupt = HONEST) -> None:
+        self.peers[peer_id] = (StageRuntime(self.spec, stage), training, probes)
+
+    async def forward(self, view: PeerView, stage: int, mb_id: str, x, evaluate: bool = False, exact: bool = False):
+        runtime, training, probes = self.peers[view.peer_id]
+        self.calls.append(("Forward", view.peer_id, evaluate))
+        return (probes if evaluate else training)(runtime.evaluate(x))
+
+    async def forward_backward(self, view, stage, mb_id, x, targets, evaluate=False, exact=False):
+        runtime, training, probes = self.peers[view.peer_id]
+        self.calls.append(("ForwardBackward", view.peer_id, evaluate))
+        if evaluate:
+            return float(runtime.evaluate(x, targets)), None, False
+        result = runtime.forward_backward(x, targets)
+        return result.loss, training(result.grad_input), not result.applied
+
+    def router(self) -> Router:
+        router = Router(self.spec.num_stages, rng=random.Random(0))
+        for stage in range(self.spec.num_stages):
+            records = {
+                pid: StageRecord(
+                    address=f"127.0.0.1:{1000 + i}", state="online", throughput=1.0, queue=0, version=0, updated_at=1.0
+                )
+                for i, (pid, (rt, _, _)) in enumerate(self.peers.items())
+                if rt.stage == stage
+            }
+            router.update_stage(stage, records)
+        return router
+
+
+def setup(stage0: dict[str, tuple[Corrupt, Corrupt]], stage1: dict[str, tuple[Corrupt, Corrupt]], ban_after=2):
+    spec = RunSpec()
+    replicas = Replicas(spec)
+    for stage, group in ((0, stage0), (1, stage1)):
+        for pid, (training, probes) in group.items():
+            replicas.add(pid, stage, training, probes)
+    router = replicas.router()
+    verifier = ReplicaVerifier(spec, replicas, router, EventLog("", "trainer", "t"), 1.0, ban_after=ban_after)
+    return spec, replicas, router, verifier
+
+
+def batch(spec: RunSpec) -> tuple[torch.Tensor, torch.Tensor]:
+    tokens = torch.randint(0, 8, (spec.microbatch_size, spec.model.seq_len), generator=torch.Generator().manual_seed(1))
+    return tokens, tokens.clone()  # the copy task _train_last_stage teaches: the loss needs the input
+
+
+def test_tolerance_is_the_ceiling_until_learned_then_a_margin_over_agreeing_pairs() -> None:
+    t = Tolerance(floor=0.01, ceiling=0.5, min_samples=4)
+    assert t.limit() == 0.5
+    for d in (0.02, 0.03, 0.01, 0.02):
+        assert t.agrees(d)
+    assert t.limit() == pytest.approx(4 * 0.03)
+    assert not t.agrees(0.9) and len(t.seen) == 4, "a disagreement is not learned from"
+    t.widen(5.0)
+    assert max(t.seen) == 0.5, "what arbitration found honest widens it, capped at the ceiling"
+
+
+def test_relative_difference_is_symmetric_and_scale_free() -> None:
+    a = torch.randn(4, 8)
+    assert relative_difference(a, a) == 0
+    assert relative_difference(a, -a) == pytest.approx(2.0)
+    assert relative_difference(10 * a, -10 * a) == pytest.approx(relative_difference(a, -a))
+
+
+async def test_an_honest_last_stage_gradient_passes_the_probe() -> None:
+    spec, replicas, router, verifier = setup({"a": (HONEST, HONEST)}, {"z": (HONEST, HONEST)})
+    tokens, targets = batch(spec)
+    x = replicas.peers["a"][0].evaluate(tokens)
+    view = router.peers["z"]
+    loss, grad, _ = await replicas.forward_backward(view, 1, "mb", x, targets)
+    await verifier.check_gradient(view, 1, x, grad, targets=targets, loss=loss)
+    assert verifier.stats.strikes == 0 and verifier.stats.checks == 1
+    assert verifier.slopes[1].seen[-1] < 0.01, "honest central differences agree to ~1e-3"
+
+
+@pytest.mark.parametrize("corrupt", [FLIP, SCALE, NOISE], ids=["flip", "scale", "noise"])
+async def test_a_lying_last_stage_gradient_is_struck_and_banned(corrupt: Corrupt) -> None:
+    spec, replicas, router, verifier = setup({"a": (HONEST, HONEST)}, {"z": (corrupt, HONEST)})
+    tokens, targets = batch(spec)
+    x = replicas.peers["a"][0].evaluate(tokens)
+    view = router.peers["z"]
+    for round_ in range(2):
+        loss, grad, _ = await replicas.forward_backward(view, 1, f"mb{round_}", x, targets)
+        with pytest.raises(Disputed, match="gradient failed verification"):
+            await verifier.check_gradient(view, 1, x, grad, targets=targets, loss=loss)
+    assert verifier.strikes == {"z": 2} and "z" in verifier.banned
+    assert router.available(1) == [], "a banned replica is not routed to, whatever it announces"
+
+
+async def test_a_reported_loss_that_its_function_does_not_give_is_struck() -> None:
+    spec, replicas, router, verifier = setup({"a": (HONEST, HONEST)}, {"z": (HONEST, HONEST)})
+    tokens, targets = batch(spec)
+    x = replicas.peers["a"][0].evaluate(tokens)
+    view = router.peers["z"]
+    loss, grad, _ = await replicas.forward_backward(view, 1, "mb", x, targets)
+    with pytest.raises(Disputed, match="reported loss"):
+        await verifier.check_gradient(view, 1, x, grad, targets=targets, loss=loss / 3)
+
+
+async def test_an_intermediate_gradient_is_probed_through_the_output_gradient() -> None:
+    spec = RunSpec()
+    spec.num_stages = 3
+    replicas = Replicas(spec)
+    replicas.add("a", 0)
+    replicas.add("m", 1)
+    replicas.add("z", 2)
+    router = replicas.router()
+    verifier = ReplicaVerifier(spec, replicas, router, EventLog("", "trainer", "t"), 1.0)
+    tokens, targets = batch(spec)
+    x0 = replicas.peers["a"][0].evaluate(tokens)
+    middle = replicas.peers["m"][0]
+    x1 = middle.evaluate(x0)
+    grad_out = replicas.peers["z"][0].forward_backward(x1, targets).grad_input
+    grad_in = middle.replay_backward(x0, grad_out).grad_input
+    view = router.peers["m"]
+    await verifier.check_gradient(view, 1, x0, grad_in, grad_out)
+    with pytest.raises(Disputed):
+        await verifier.check_gradient(view, 1, x0, -grad_in, grad_out)
+    assert verifier.strikes == {"m": 1}
+
+
+async def test_outputs_that_agree_teach_the_tolerance() -> None:
+    spec, replicas, router, verifier = setup({"a": (HONEST, HONEST), "b": (HONEST, HONEST)}, {"z": (HONEST, HONEST)})
+    tokens, targets = batch(spec)
+    view = router.peers["a"]
+    y = await replicas.forward(view, 0, "mb", tokens)
+    await verifier.check_output(view, 0, tokens, y, targets)
+    assert verifier.stats.disputes == 0 and list(verifier.outputs[0].seen) == [0.0]
+    assert ("Forward", "b", True) in replicas.calls, "the second opinion is forward-only: nothing kept there"
+
+
+async def test_a_noisy_primary_loses_the_arbitration_and_its_call_fails() -> None:
+    spec, replicas, router, verifier = setup({"a": (NOISE, HONEST), "b": (HONEST, HONEST)}, {"z": (HONEST, HONEST)})
+    _train_last_stage(replicas, spec)
+    tokens, targets = batch(spec)
+    view = router.peers["a"]
+    y = await replicas.forward(view, 0, "mb", tokens)
+    with pytest.raises(Disputed, match="output failed verification"):
+        await verifier.check_output(view, 0, tokens, y, targets)
+    assert verifier.strikes == {"a": 1}
+
+
+async def test_a_lying_checker_is_struck_and_the_primary_goes_on() -> None:
+    spec, replicas, router, verifier = setup({"a": (HONEST, HONEST), "b": (HONEST, FLIP)}, {"z": (HONEST, HONEST)})
+    _train_last_stage(replicas, spec)
+    tokens, targets = batch(spec)
+    view = router.peers["a"]
+    y = await replicas.forward(view, 0, "mb", tokens)
+    await verifier.check_output(view, 0, tokens, y, targets)  # no Disputed: the primary was right
+    assert verifier.strikes == {"b": 1}
+
+
+async def test_disagreeing_replicas_that_reach_the_same_loss_are_inconclusive() -> None:
+    spec, replicas, router, verifier = setup(
+        {"a": (HONEST, HONEST), "b": (HONEST, lambda t: t * 2.0)}, {"z": (HONEST, HONEST)}
+    )
+    tokens, targets = batch(spec)  # an untrained last stage hardly tells a doubled residual apart
+    view = router.peers["a"]
+    y = await replicas.forward(view, 0, "mb", tokens)
+    await verifier.check_output(view, 0, tokens, y, targets)
+    assert verifier.strikes == {} and verifier.stats.inconclusive == 1
+    assert verifier.outputs[0].seen, "the honest disagreement widened the tolerance"
+
+
+def _train_last_stage(replicas: Replicas, spec: RunSpec, steps: int = 30) -> None:
+    """A few steps on honest inputs so the last stage's loss depends on what it is given."""
+    first = next(rt for rt, _, _ in replicas.peers.values() if rt.stage == 0)
+    last = next(rt for rt, _, _ in replicas.peers.values() if rt.stage == spec.num_stages - 1)
+    g = torch.Generator().manual_seed(3)
+    for _ in range(steps):
+        tokens = torch.randint(0, 8, (spec.microbatch_size, spec.model.seq_len), generator=g)
+        last.forward_backward(first.evaluate(tokens), tokens.clone())
