@@ -6,13 +6,21 @@ from importlib import resources
 
 from swarmpipe.peer.swarm.records import PeerState, RunIndexRecord, StageRecord
 
+# How to find a swarm or start one: the second half of every "no bootstrap peers" error.
+FIND_OR_START = (
+    "To join a swarm, pass --initial-peers MADDR (or set SWARMPIPE_INITIAL_PEERS) with the 'initial peers:' line "
+    "its coordinator printed; a run's organizers publish it (README: Joining a public swarm). To start one, run "
+    "'swarmpipe coordinator --host 0.0.0.0 --announce-host PUBLIC_IP --dht-port 31337 --identity coordinator.key' "
+    "and hand out the line it prints; 'swarmpipe demo' runs a whole swarm on this machine."
+)
+
 
 def bootstrap_peers(swarm: str) -> list[str]:
-    """The shipped bootstrap list of a named swarm (``peer/bootstrap/<swarm>.txt``)."""
+    """The shipped bootstrap list of a named swarm (``peer/swarm/bootstrap/<swarm>.txt``)."""
     try:
         text = resources.files(__package__).joinpath("bootstrap", f"{swarm}.txt").read_text()
     except (FileNotFoundError, OSError):
-        raise ValueError(f"no bootstrap list is shipped for swarm {swarm!r}; pass --initial-peers") from None
+        raise ValueError(f"no bootstrap list is shipped for swarm {swarm!r}. {FIND_OR_START}") from None
     return [line.strip() for line in text.splitlines() if line.strip() and not line.lstrip().startswith("#")]
 
 
@@ -20,8 +28,7 @@ def resolve_initial_peers(initial_peers: list[str], swarm: str) -> list[str]:
     peers = list(initial_peers) or bootstrap_peers(swarm)
     if not peers:
         raise ValueError(
-            f"the bootstrap list of swarm {swarm!r} is empty: pass --initial-peers MADDR "
-            "(or set SWARMPIPE_INITIAL_PEERS) with the line the coordinator printed"
+            f"the bootstrap list of swarm {swarm!r} is empty: no --initial-peers to start from. {FIND_OR_START}"
         )
     return peers
 

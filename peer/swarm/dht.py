@@ -21,6 +21,7 @@ import hivemind
 from hivemind.utils import get_dht_time
 
 from swarmpipe.peer.spec import RunSpec, SpecError, spec_from_dict
+from swarmpipe.peer.swarm.child_processes import DHTProcess, guard_forks
 from swarmpipe.peer.swarm.identity import Identity, load_identity, peer_id_in_maddr, split_signed_subkey
 from swarmpipe.peer.swarm.record_validator import RunRecordValidator
 from swarmpipe.peer.swarm.records import (
@@ -57,6 +58,7 @@ def start_dht(
 
     ``coordinators``: peer ids whose spec, checkpoint and index entries this process trusts (default:
     the peer ids in ``initial_peers``); read back with :func:`trusted_coordinators`."""
+    guard_forks()  # the DHT process (and p2pd under it) dies with this process and obeys SIGTERM
     identity = load_identity(identity_path)
     # Every node checks signatures: a record whose subkey names an owner key can only be changed
     # by the holder of that key (hivemind's RSASignatureValidator), and that key is our peer id's.
@@ -72,7 +74,7 @@ def start_dht(
         kwargs["announce_maddrs"] = [f"/ip4/{announce_host}/tcp/{port}"]
     try:
         try:
-            dht = hivemind.DHT(initial_peers=list(initial_peers) or None, **kwargs)
+            dht = DHTProcess(initial_peers=list(initial_peers) or None, **kwargs)
         except Exception as e:  # p2pd and hivemind both refuse to start when no bootstrap peer answers
             if require_bootstrap or not initial_peers:
                 raise
@@ -81,7 +83,7 @@ def start_dht(
                 len(initial_peers),
                 str(e).strip().splitlines()[-1][:160],
             )
-            dht = hivemind.DHT(initial_peers=None, **kwargs)
+            dht = DHTProcess(initial_peers=None, **kwargs)
     finally:
         identity.forget_file()
     trusted = set(coordinators) or {p for p in map(peer_id_in_maddr, initial_peers) if p}

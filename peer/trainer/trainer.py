@@ -12,6 +12,10 @@ router current from the DHT on its own; the runner holds it and asks for an
 early read only while it waits for a replica. With ``eval_every`` set, an
 ``Evaluator`` runs the validation set through the swarm as a task beside
 training (one at a time) and once more at the end; its losses go to the progress.
+
+SIGTERM / Ctrl-C: no new micro-batch starts, those in flight get ``STOP_GRACE_S``, the rest are cancelled and
+reported as ``microbatches_unfinished`` (not lost); a wait for the spec or an evaluation ends at once. While a
+stage has no reachable replica, one warning line every ``UNREACHABLE_NOTICE_S`` names it.
 """
 
 from __future__ import annotations
@@ -22,8 +26,9 @@ import logging
 import os
 import signal
 import time
+from collections.abc import Awaitable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -42,6 +47,15 @@ from swarmpipe.peer.trainer.routing import Router
 from swarmpipe.peer.trainer.swarm_view import SwarmView
 
 log = logging.getLogger("swarmpipe.trainer")
+STOP_GRACE_S = 3.0  # after a signal, in-flight micro-batches get this long before they are reported unfinished
+STOP_ANNOUNCE_S = 3.0  # after a signal, the last DHT announcement gets this long
+UNREACHABLE_AFTER_S = 5.0  # a stage with no routable replica this long is named (a short ban is normal)
+UNREACHABLE_NOTICE_S = 10.0
+T = TypeVar("T")
+
+
+class Stopped(Exception):
+    """A signal came while the trainer waited for something other than its micro-batches."""
 
 
 class Trainer:
@@ -57,7 +71,7 @@ class Trainer:
     async def run(self) -> dict[str, Any]:
         cfg = self.cfg
         torch.set_num_threads(cfg.threads or default_threads())
-        # SIGTERM / Ctrl-C: stop starting micro-batches, finish those in flight, write the report.
+        # SIGTERM / Ctrl-C: stop starting micro-batches, give those in flight STOP_GRACE_S, write the report.
         self.stop_requested = asyncio.Event()
         for sig in (signal.SIGTERM, signal.SIGINT):
             asyncio.get_running_loop().add_signal_handler(sig, self.stop_requested.set)
@@ -68,7 +82,7 @@ class Trainer:
         try:
             return await self._train()
         finally:
-            self.dht.shutdown()
+            await asyncio.to_thread(self.dht.shutdown)  # bounded; kills the DHT process and p2pd if they hang
 
     async def _train(self) -> dict[str, Any]:
         cfg = self.cfg
@@ -82,7 +96,12 @@ class Trainer:
                 )
             cfg.run_id = next(iter(runs))
         swarm = SwarmDHT(self.dht, cfg.run_id)
-        spec = await swarm.wait_for_spec(cfg.spec_timeout, initial_peers=self.initial_peers)
+        try:
+            spec = await self._unless_stopped(
+                swarm.wait_for_spec(cfg.spec_timeout, initial_peers=self.initial_peers), "the run spec"
+            )
+        except Stopped:
+            return self._write_report(self.progress.report(cfg.run_id, 0))
         dataset = await asyncio.to_thread(
             open_dataset, cfg.data or None, spec.model.seq_len, spec.model.vocab_size, self._tokenizer(spec), cfg.seed
         )
@@ -103,10 +122,11 @@ class Trainer:
             self.evaluator = Evaluator(runner, valid, cfg.eval_every, self.events)
             if not valid:
                 log.warning("no validation loss: the data holds no held-out sequence")
-        announce: asyncio.Task[None] | None = None
+        background: list[asyncio.Task[None]] = []
         bar = None
         try:
-            await view.start()  # the first read: its failure ends the run, as there is nothing to route to
+            # the first read: its failure ends the run, as there is nothing to route to
+            await self._unless_stopped(view.start(), "the first read of the swarm")
             self.events.emit(
                 "training",
                 run_id=cfg.run_id,
@@ -120,32 +140,60 @@ class Trainer:
                 completed_before=self.progress.completed,
             )
             in_flight = cfg.in_flight or 2 * spec.num_stages
-            announce = asyncio.create_task(self._announce_loop(swarm, spec.microbatch_size))
+            background.append(asyncio.create_task(self._announce_loop(swarm, spec.microbatch_size)))
+            background.append(asyncio.create_task(self._watch_replicas(view.router)))
             bar = self._progress_bar(spec.microbatch_size)
             if self.evaluator is not None and not self.progress.val_losses:
-                await self._evaluate(self.evaluator.run)  # the baseline: the starting weights' loss
+                # the baseline: the starting weights' loss
+                await self._unless_stopped(self._evaluate(self.evaluator.run), "the first validation")
             await self._drive(runner, stream, in_flight, bar)
-            await self._final_evaluation()
-            self.state_file.save(stream.cursor, self.progress)  # the final counters
+            if not self.stop_requested.is_set():  # after a signal the process is asked to leave: no final validation
+                await self._unless_stopped(self._final_evaluation(), "the final validation")
+        except Stopped:
+            pass  # the report below says what ended and what did not
         finally:
             if self._evaluation is not None:
                 self._evaluation.cancel()
-            if announce is not None:
-                announce.cancel()
+            for task in background:
+                task.cancel()
             await view.stop()
             await runner.close()
             if bar is not None:
                 bar.close()
+        self.state_file.save(stream.cursor, self.progress)  # the final counters
         report = self.progress.report(cfg.run_id, spec.microbatch_size)
         report["verification"] = {**vars(runner.verifier.stats), "banned": dict(runner.verifier.banned)}
-        await swarm.announce_trainer(self._record(spec.microbatch_size), ttl=60)
+        last = swarm.announce_trainer(self._record(spec.microbatch_size), ttl=60)
+        try:  # after a signal the process is asked to leave: a slow DHT must not keep it
+            await asyncio.wait_for(last, STOP_ANNOUNCE_S if self.stop_requested.is_set() else None)
+        except asyncio.TimeoutError:
+            log.warning("the last trainer announcement timed out; leaving anyway")
+        return self._write_report(report)
+
+    def _write_report(self, report: dict[str, Any]) -> dict[str, Any]:
         self.events.emit("finished", **{k: v for k, v in report.items() if k not in ("losses", "val_losses")})
-        if cfg.report:
-            tmp = cfg.report + ".tmp"
+        if self.cfg.report:
+            tmp = self.cfg.report + ".tmp"
             with open(tmp, "w") as f:
                 json.dump(report, f, indent=2)
-            os.replace(tmp, cfg.report)
+            os.replace(tmp, self.cfg.report)
         return report
+
+    async def _unless_stopped(self, awaitable: Awaitable[T], what: str) -> T:
+        """Await ``awaitable``, or cancel it and raise :class:`Stopped` as soon as a signal comes."""
+        task = asyncio.ensure_future(awaitable)
+        stop = asyncio.ensure_future(self.stop_requested.wait())
+        try:
+            await asyncio.wait({task, stop}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stop.cancel()
+            if not task.done():
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+        if task.cancelled() and self.stop_requested.is_set():
+            self.events.emit("stopping", step=self.progress.completed, reason="signal", waiting_for=what)
+            raise Stopped(what)
+        return task.result()
 
     def _tokenizer(self, spec: RunSpec) -> str | None:
         """--tokenizer, else the tokenizer of the run's checkpoint when this machine has that folder."""
@@ -207,8 +255,58 @@ class Trainer:
                     target=target,
                     call_ms=runner.router.latency_ms(),
                 )
+        await self._settle(tasks)
+
+    async def _settle(self, tasks: set[asyncio.Task]) -> None:
+        """Let the micro-batches in flight end: all of them after the last step or ``max_time``; after a signal
+        only for ``STOP_GRACE_S``, then the rest are cancelled (counted unfinished, not lost)."""
+        while tasks and not self.stop_requested.is_set():
+            done, tasks = await asyncio.wait(tasks, timeout=1.0)
+            for task in done:
+                task.result()
+        if not tasks:
+            return
+        done, tasks = await asyncio.wait(tasks, timeout=STOP_GRACE_S)
+        for task in done:
+            task.result()
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
         if tasks:
-            await asyncio.gather(*tasks)
+            self.events.emit("unfinished", level=logging.WARNING, microbatches=len(tasks), grace_s=STOP_GRACE_S)
+
+    async def _watch_replicas(self, router: Router) -> None:
+        """Name, every ``UNREACHABLE_NOTICE_S``, each stage that has had no reachable replica for a while (its
+        micro-batches wait, up to --wait-timeout): none announced, none online, or every one's last call failed
+        (a peer that announces an address nobody can dial keeps failing between short bans)."""
+        since: dict[int, float] = {}
+        noticed: dict[int, float] = {}
+        while True:
+            await asyncio.sleep(1.0)
+            t = time.monotonic()
+            for stage in range(router.num_stages):
+                if any(v.failures == 0 for v in router.available(stage)):
+                    if stage in noticed:
+                        self.events.emit("replica_reachable", stage=stage, after_s=round(t - since[stage]))
+                    since.pop(stage, None)
+                    noticed.pop(stage, None)
+                    continue
+                start = since.setdefault(stage, t)
+                if t - start < UNREACHABLE_AFTER_S or (stage in noticed and t - noticed[stage] < UNREACHABLE_NOTICE_S):
+                    continue
+                noticed[stage] = t
+                replicas = router.replicas(stage)
+                self.events.emit(
+                    "no_reachable_replica",
+                    level=logging.WARNING,
+                    stage=stage,
+                    announced=len(replicas),
+                    not_online=sum(v.state != "online" for v in replicas),
+                    failing=sum(v.failures > 0 for v in replicas),
+                    addresses=",".join(v.address for v in replicas[:3]) or "-",
+                    waited_s=round(t - start),
+                    gives_up_after_s=round(self.cfg.wait_timeout),
+                )
 
     def _maybe_evaluate(self) -> None:
         """Start a validation run beside training when one is due and none is running."""

@@ -47,13 +47,16 @@ def test_shipped_public_list_is_empty_and_error_is_helpful() -> None:
     text = str(info.value)
     assert "'public'" in text and "empty" in text
     assert "--initial-peers" in text and "SWARMPIPE_INITIAL_PEERS" in text
+    # ... and how to start a swarm of one's own: a coordinator with a stable identity and port, or the demo
+    assert "swarmpipe coordinator" in text and "--identity" in text and "--dht-port" in text
+    assert "swarmpipe demo" in text
 
 
 def test_unknown_swarm() -> None:
     with pytest.raises(ValueError) as info:
         resolve_initial_peers([], "atlantis")
     assert "no bootstrap list is shipped for swarm 'atlantis'" in str(info.value)
-    assert "--initial-peers" in str(info.value)
+    assert "--initial-peers" in str(info.value) and "swarmpipe coordinator" in str(info.value)
 
 
 def test_shipped_list_parsing(shipped: Path) -> None:
