@@ -73,7 +73,7 @@ class PeerDaemon:
             coordinators=cfg.coordinator_id,
         )
         try:
-            return await self._serve()
+            return await self._serve_or_leave()
         finally:
             if self.server is not None:
                 await self.server.stop(grace=1.0)
@@ -82,6 +82,22 @@ class PeerDaemon:
             if self.averager is not None:
                 self.averager.shutdown()
             self.dht.shutdown()
+
+    async def _serve_or_leave(self) -> int:
+        """Serve; a signal while still joining (spec wait, state download) ends the join at once: nothing to drain."""
+        serve = asyncio.ensure_future(self._serve())
+        stop = asyncio.ensure_future(self.stop_requested.wait())
+        try:
+            await asyncio.wait({serve, stop}, return_when=asyncio.FIRST_COMPLETED)
+            if not serve.done() and self.lifecycle.state is PeerState.JOINING:  # never online yet
+                serve.cancel()
+                await asyncio.gather(serve, return_exceptions=True)
+                self.events.emit("stopped", joining=True)
+                return 0
+            return await serve
+        finally:
+            stop.cancel()
+            serve.cancel()
 
     async def _serve(self) -> int:
         cfg = self.cfg

@@ -141,3 +141,19 @@ def test_trainer_names_the_unreachable_stage_and_stops_on_sigterm(swarm):
     assert took < STOPPED_WITHIN_S, f"the trainer took {took:.1f}s to exit after SIGTERM"
     assert trainer.proc.returncode == 0, trainer.log_text()[-3000:]
     _assert_unfinished_not_lost(swarm, swarm.wait_report(trainer, report_path, timeout=5))
+
+
+def test_sigterm_ends_a_peer_still_joining(swarm):
+    """A peer waiting for a spec that never comes (120 s by default) leaves at once on SIGTERM."""
+    swarm.start_coordinator()
+    joiner = swarm.start_peer(0, "--run-id", "no-such-run", wait=False)
+    family = _family(joiner)
+    time.sleep(3)  # its DHT is up (the family is complete): it now polls for the spec
+    assert joiner.alive(), joiner.log_text()[-2000:]
+    started = time.monotonic()
+    joiner.signal(signal.SIGTERM)
+    wait_for(lambda: not joiner.alive(), 60, "the joining peer to exit after SIGTERM", poll=0.1)
+    took = time.monotonic() - started
+    print(f"joining peer exited {took:.1f}s after SIGTERM")
+    assert took < STOPPED_WITHIN_S and joiner.proc.returncode == 0, joiner.log_text()[-2000:]
+    assert not _survivors(family, GONE_WITHIN_S)
