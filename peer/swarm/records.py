@@ -30,6 +30,7 @@ from pydantic import (
 
 from swarmpipe.peer.spec import MAX_STAGES  # one bound for spec, records and validators
 from swarmpipe.peer.swarm.identity import split_signed_subkey
+from swarmpipe.peer.transport.tls import MAX_CERT_CHARS, check_cert_pem
 
 log = logging.getLogger("swarmpipe.records")
 
@@ -74,6 +75,8 @@ class StageRecord(Record):
     device: str = Field(default="", max_length=80)  # "cuda:0 (NVIDIA H200)", "cpu"
     device_memory_total: int = Field(ge=0, le=1 << 50, default=0)  # bytes
     device_memory_used: int = Field(ge=0, le=1 << 50, default=0)
+    # --tls: the certificate the peer's gRPC server presents; clients pin it for ``address`` (one PEM, bounded)
+    tls_cert: str = Field(default="", max_length=MAX_CERT_CHARS)
 
     @field_serializer("state")
     def _state_as_string(self, state: PeerState) -> str:
@@ -86,6 +89,11 @@ class StageRecord(Record):
         if not 0 < port < 65536:
             raise ValueError(f"port {port} out of range")
         return value
+
+    @field_validator("tls_cert")
+    @classmethod
+    def _tls_cert_parses(cls, value: str) -> str:
+        return check_cert_pem(value)  # '' or exactly one certificate
 
 
 class TrainerRecord(Record):
@@ -107,6 +115,12 @@ class CheckpointRecord(Record):
     digests: list[str] = Field(max_length=MAX_STAGES)
     created_at: float
     url: str = Field(default="", max_length=262)
+    tls_cert: str = Field(default="", max_length=MAX_CERT_CHARS)  # the checkpoint server's, as in StageRecord
+
+    @field_validator("tls_cert")
+    @classmethod
+    def _tls_cert_parses(cls, value: str) -> str:
+        return check_cert_pem(value)  # '' or exactly one certificate
 
     @field_validator("versions")
     @classmethod

@@ -1,16 +1,22 @@
-"""gRPC channel and server options in one place, and a pool of reusable channels."""
+"""gRPC channel and server options in one place, and a pool of reusable channels (dialed through the
+process's :class:`~swarmpipe.peer.transport.security.Security`: TLS to pinned certificates, call credentials)."""
 
 from __future__ import annotations
 
+import asyncio
 import ctypes
 import ctypes.util
 import logging
+import time
 
 import grpc
 
+from swarmpipe.peer.transport import security as process_security
+from swarmpipe.peer.transport.security import Security
 from swarmpipe.protos import swarm_pb2_grpc
 
 MB = 1024 * 1024
+RETIRE_GRACE_S = 60.0  # a channel replaced (its pinned certificates changed) is closed once its calls are done
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
 _allocator_tuned = False
 
@@ -74,19 +80,34 @@ def channel_options(max_message_mb: int) -> list[tuple[str, int]]:
 
 
 class ChannelPool:
-    """One long-lived grpc.aio channel per peer address, shared by all calls to it."""
+    """One long-lived grpc.aio channel per peer address, shared by all calls to it. A channel is made again
+    when the certificates pinned for its address change (the peer restarted with a new one)."""
 
-    def __init__(self, max_message_mb: int):
+    def __init__(self, max_message_mb: int, security: Security | None = None):
         self.max_message_mb = max_message_mb
+        self._security = security  # None: the process's (read when a channel is made)
         tune_allocator()
-        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._channels: dict[str, tuple[tuple[str, ...] | None, grpc.aio.Channel]] = {}  # address -> (pin, channel)
         self._stubs: dict[str, tuple[grpc.aio.Channel, swarm_pb2_grpc.StageStub]] = {}
+        self._retired: list[tuple[float, grpc.aio.Channel]] = []
+
+    @property
+    def security(self) -> Security:
+        return self._security or process_security.current()
 
     def channel(self, address: str) -> grpc.aio.Channel:
-        channel = self._channels.get(address)
-        if channel is None:
-            channel = grpc.aio.insecure_channel(address, options=channel_options(self.max_message_mb))
-            self._channels[address] = channel
+        """The pooled channel; :class:`~swarmpipe.peer.transport.security.UntrustedAddress` (an UNAVAILABLE
+        call error) when TLS is required and no signed record pinned a certificate for ``address``."""
+        security = self.security
+        pin = security.pin(address)
+        key = pin.fingerprints if pin is not None else None
+        entry = self._channels.get(address)
+        if entry is not None and entry[0] == key:
+            return entry[1]
+        if entry is not None:
+            self._retire(entry[1])
+        channel = security.channel(address, channel_options(self.max_message_mb), pin=pin)
+        self._channels[address] = (key, channel)
         return channel
 
     def stub(self, address: str) -> swarm_pb2_grpc.StageStub:
@@ -97,12 +118,26 @@ class ChannelPool:
             self._stubs[address] = stub
         return stub[1]
 
+    def _retire(self, channel: grpc.aio.Channel) -> None:
+        """Close a replaced channel later (calls on it may still run); close the long-retired ones now."""
+        now = time.monotonic()
+        self._retired.append((now, channel))
+        due = [c for t, c in self._retired if now - t > RETIRE_GRACE_S]
+        self._retired = [(t, c) for t, c in self._retired if now - t <= RETIRE_GRACE_S]
+        if due:
+            loop = asyncio.get_running_loop()  # channels are made and used on the event loop
+            for old in due:
+                loop.create_task(old.close(grace=None))
+
     async def drop(self, address: str) -> None:
-        channel = self._channels.pop(address, None)
+        entry = self._channels.pop(address, None)
         self._stubs.pop(address, None)
-        if channel is not None:
-            await channel.close(grace=None)
+        if entry is not None:
+            await entry[1].close(grace=None)
 
     async def close(self) -> None:
         for address in list(self._channels):
             await self.drop(address)
+        retired, self._retired = self._retired, []
+        for _, channel in retired:
+            await channel.close(grace=None)
