@@ -21,6 +21,14 @@ import hivemind
 from hivemind.utils import get_dht_time
 
 from swarmpipe.peer.spec import RunSpec, SpecError, spec_from_dict
+from swarmpipe.peer.swarm.access import (
+    PROOF_FIELD,
+    RecordAdmission,
+    SwarmAccess,
+    admitted,
+    current_access,
+    key_id,
+)
 from swarmpipe.peer.swarm.child_processes import DHTProcess, guard_forks
 from swarmpipe.peer.swarm.identity import Identity, load_identity, peer_id_in_maddr, split_signed_subkey
 from swarmpipe.peer.swarm.record_validator import RunRecordValidator
@@ -38,6 +46,9 @@ from swarmpipe.peer.swarm.records import (
     stage_key,
     trainer_key,
 )
+from swarmpipe.peer.transport.security import Security
+from swarmpipe.peer.transport.security import current as current_security
+from swarmpipe.peer.transport.security import install as install_security
 
 log = logging.getLogger("swarmpipe.dht")
 DHT_TIMEOUT_S = 10.0
@@ -52,13 +63,18 @@ def start_dht(
     announce_host: str | None = None,
     require_bootstrap: bool = True,
     coordinators: Iterable[str] = (),
+    access: SwarmAccess | None = None,
 ) -> hivemind.DHT:
     """``require_bootstrap=False``: start even when no initial peer answers (the coordinator may be
     down); the caller keeps pinging them with :func:`reconnect_bootstrap` until one does.
 
     ``coordinators``: peer ids whose spec, checkpoint and index entries this process trusts (default:
-    the peer ids in ``initial_peers``); read back with :func:`trusted_coordinators`."""
+    the peer ids in ``initial_peers``); read back with :func:`trusted_coordinators`.
+    ``access``: private-swarm settings (default: the process's, :func:`~swarmpipe.peer.swarm.access.install_access`,
+    whose ``--identity`` is used when ``identity_path`` is None); see :func:`_secure`."""
     guard_forks()  # the DHT process (and p2pd under it) dies with this process and obeys SIGTERM
+    access = access or current_access()
+    identity_path = identity_path or access.identity_path or None
     identity = load_identity(identity_path)
     # Every node checks signatures: a record whose subkey names an owner key can only be changed
     # by the holder of that key (hivemind's RSASignatureValidator), and that key is our peer id's.
@@ -89,7 +105,19 @@ def start_dht(
     trusted = set(coordinators) or {p for p in map(peer_id_in_maddr, initial_peers) if p}
     dht.swarmpipe_identity = identity  # type: ignore[attr-defined]
     dht.swarmpipe_coordinators = frozenset(trusted)  # type: ignore[attr-defined]
+    _secure(dht, access, identity, frozenset(trusted))
     return dht
+
+
+def _secure(dht: hivemind.DHT, access: SwarmAccess, identity: Identity, trusted: frozenset[str]) -> None:
+    """The gRPC security of ``access`` for this identity; the process's own (installed) when ``access`` is."""
+    security = access.security(identity, trusted)
+    if access is current_access():
+        install_security(security)
+    dht.swarmpipe_access = access  # type: ignore[attr-defined]
+    dht.swarmpipe_security = security  # type: ignore[attr-defined]
+    if access.active:
+        log.info("dht: peer %s joins a private swarm: %s", identity.peer_id[-6:], security.describe())
 
 
 def identity_of(dht: hivemind.DHT) -> Identity:
@@ -97,6 +125,11 @@ def identity_of(dht: hivemind.DHT) -> Identity:
     if identity is None:
         raise RuntimeError("this DHT was not started by swarmpipe.peer.swarm.dht.start_dht (no signing identity)")
     return identity
+
+
+def security_of(dht: hivemind.DHT) -> Security:
+    """The gRPC security :func:`start_dht` made for this DHT's process (pins learned from its reads go there)."""
+    return getattr(dht, "swarmpipe_security", None) or current_security()
 
 
 def trusted_coordinators(dht: hivemind.DHT) -> frozenset[str]:
@@ -144,8 +177,18 @@ async def reconnect_bootstrap(dht: hivemind.DHT, maddrs: Sequence[str]) -> int:
         return 0
 
 
+OPEN = RecordAdmission()
+
+
+@functools.lru_cache(maxsize=8)  # read on every DHT access; an allow-list may hold thousands of ids
+def _admission(access: SwarmAccess, coordinators: frozenset[str]) -> RecordAdmission:
+    return access.admission(coordinators)
+
+
 class SwarmDHT:
     """The records of one run, read and written with deadlines, signed by us and checked on the way in."""
+
+    access = SwarmAccess()  # an open swarm unless start_dht was given (or installed) private settings
 
     def __init__(self, dht: hivemind.DHT, run_id: str):
         self.dht = dht
@@ -155,10 +198,19 @@ class SwarmDHT:
         # "<peer id>[owner:<public key>]": our records are signed and only we can replace them.
         self.owner_subkey = self.identity.owner_subkey()
         self._incompatible: set[tuple[str, int]] = set()  # (peer, protocol) pairs already logged
+        self.access: SwarmAccess = getattr(dht, "swarmpipe_access", None) or SwarmAccess()
+        self.security = security_of(dht)  # TLS: our certificate goes into our records, others' into its pins
 
     @property
     def coordinators(self) -> frozenset[str]:
         return trusted_coordinators(self.dht)
+
+    @property
+    def admission(self) -> RecordAdmission:
+        """Which member records count in a private swarm (the run's coordinators are always members)."""
+        if self.access.mode == "open":
+            return OPEN
+        return _admission(self.access, self.coordinators)
 
     def protect(self) -> None:
         """Make our DHT node refuse records of this run that are unsigned, foreign or out of bounds
@@ -166,7 +218,7 @@ class SwarmDHT:
         guarded = getattr(self.dht, "swarmpipe_guarded", set())
         if self.run_id in guarded or not self.coordinators:
             return
-        self.dht.add_validators([RunRecordValidator(self.run_id, self.coordinators)])
+        self.dht.add_validators([RunRecordValidator(self.run_id, self.coordinators, self.admission)])
         self.dht.swarmpipe_guarded = guarded | {self.run_id}  # type: ignore[attr-defined]
 
     async def _get(self, key: str) -> Any:
@@ -177,7 +229,10 @@ class SwarmDHT:
             log.warning("dht get %s timed out after %.0fs", key, DHT_TIMEOUT_S)
             return None
 
-    async def _store(self, key: str, value: Any, ttl: float, subkey: bytes) -> bool:
+    async def _store(self, key: str, value: Any, ttl: float, subkey: bytes, member: bool = False) -> bool:
+        admission = self.admission
+        if member and admission.dht_key:  # a private swarm's token: prove we hold it, for this key and signer
+            value = {**value, PROOF_FIELD: admission.proof(key_id(key), self.peer_id)}
         future = self.dht.store(key, value, get_dht_time() + ttl, subkey=subkey, return_future=True)
         try:
             return bool(await asyncio.wait_for(future, DHT_TIMEOUT_S))
@@ -249,11 +304,18 @@ class SwarmDHT:
 
     # stages ----------------------------------------------------------------
     async def announce_stage(self, stage: int, record: StageRecord, ttl: float) -> bool:
-        return await self._store(stage_key(self.run_id, stage), record.model_dump(), ttl, self.owner_subkey)
+        if self.security.cert_pem and not record.tls_cert:  # --tls: the certificate our stage server presents
+            record = record.model_copy(update={"tls_cert": self.security.cert_pem})
+        key = stage_key(self.run_id, stage)
+        return await self._store(key, record.model_dump(), ttl, self.owner_subkey, member=True)
 
     async def stage_peers(self, stage: int) -> dict[str, StageRecord]:
         """The stage's peers that speak our wire protocol; others are skipped (logged once each)."""
-        records = parse_subkeyed(StageRecord, await self._get(stage_key(self.run_id, stage)))
+        key = stage_key(self.run_id, stage)
+        records = parse_subkeyed(StageRecord, admitted(self.admission, key, await self._get(key)))
+        for record in records.values():
+            if record.tls_cert:  # a signed record binds its address to this certificate
+                self.security.pins.learn(record.address, record.tls_cert)
         return {peer: r for peer, r in records.items() if self._speaks_our_protocol(peer, r)}
 
     def _speaks_our_protocol(self, peer: str, record: StageRecord) -> bool:
@@ -275,22 +337,28 @@ class SwarmDHT:
 
     # trainers, checkpoints, index -----------------------------------------------
     async def announce_trainer(self, record: TrainerRecord, ttl: float) -> bool:
-        return await self._store(trainer_key(self.run_id), record.model_dump(), ttl, self.owner_subkey)
+        return await self._store(trainer_key(self.run_id), record.model_dump(), ttl, self.owner_subkey, member=True)
 
     async def trainers(self) -> dict[str, TrainerRecord]:
-        return parse_subkeyed(TrainerRecord, await self._get(trainer_key(self.run_id)))
+        key = trainer_key(self.run_id)
+        return parse_subkeyed(TrainerRecord, admitted(self.admission, key, await self._get(key)))
 
     async def publish_checkpoint(self, record: CheckpointRecord, ttl: float) -> bool:
         return await self._store(checkpoint_key(self.run_id), record.model_dump(), ttl, self.owner_subkey)
 
     async def checkpoint(self) -> CheckpointRecord | None:
         value = await self._from_coordinator(checkpoint_key(self.run_id))
-        return None if value is None else parse_record(CheckpointRecord, value, "checkpoint")
+        record = None if value is None else parse_record(CheckpointRecord, value, "checkpoint")
+        if record is not None and record.tls_cert and record.url:
+            self.security.pins.learn(record.url, record.tls_cert)
+        return record
 
     async def list_in_index(self, record: RunIndexRecord, ttl: float) -> bool:
-        return await self._store(RUNS_INDEX_KEY, record.model_dump(), ttl, self.identity.owner_subkey(self.run_id))
+        subkey = self.identity.owner_subkey(self.run_id)
+        return await self._store(RUNS_INDEX_KEY, record.model_dump(), ttl, subkey, member=True)
 
     async def runs(self) -> dict[str, RunIndexRecord]:
         """Runs in the swarm index whose entry a trusted coordinator signed (a stranger can list a fake run,
         but no volunteer who trusts only its own bootstrap peers will join it)."""
-        return parse_subkeyed(RunIndexRecord, await self._get(RUNS_INDEX_KEY), signers=self.coordinators)
+        found = admitted(self.admission, RUNS_INDEX_KEY, await self._get(RUNS_INDEX_KEY))
+        return parse_subkeyed(RunIndexRecord, found, signers=self.coordinators)

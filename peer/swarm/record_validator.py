@@ -7,7 +7,9 @@ added once the node knows its run, closes the rest for the run's keys (the DHT o
 - the spec and the checkpoint record: signed, and the signer is one of the run's coordinators;
 - a stage or trainer record: signed, under the signer's own peer id (nobody stands in for another peer);
 - the run's entry in the swarm-wide index: signed by a coordinator (other runs' entries: signed by someone);
-- every value: at most ``MAX_RECORD_BYTES`` and of its record type's schema (bounded fields, strict types).
+- every value: at most ``MAX_RECORD_BYTES`` and of its record type's schema (bounded fields, strict types);
+- in a private swarm (:mod:`swarmpipe.peer.swarm.access`), member records and index entries only from members:
+  signers on the allow-list, or records that carry the proof of the swarm's token.
 
 Readers apply the same rules again (:mod:`swarmpipe.peer.swarm.dht`), since a lying DHT node may answer anything.
 """
@@ -21,6 +23,7 @@ from hivemind.dht.routing import DHTID
 from hivemind.dht.validation import DHTRecord, RecordValidatorBase
 from hivemind.utils import MSGPackSerializer
 
+from swarmpipe.peer.swarm.access import RecordAdmission
 from swarmpipe.peer.swarm.identity import split_signed_subkey
 from swarmpipe.peer.swarm.records import (
     MAX_STAGES,
@@ -49,11 +52,12 @@ def _key_id(key: str) -> bytes:
 class RunRecordValidator(RecordValidatorBase):
     """Picklable (it travels into hivemind's DHT process): plain fields only, key ids computed on construction."""
 
-    def __init__(self, run_id: str, coordinators: frozenset[str] | set[str]):
+    def __init__(self, run_id: str, coordinators: frozenset[str] | set[str], admission: RecordAdmission | None = None):
         if not coordinators:
             raise ValueError("a run's records need at least one trusted coordinator peer id")
         self.run_id = run_id
         self.coordinators = frozenset(coordinators)
+        self.admission = admission or RecordAdmission()  # an open swarm admits every signer
         self.kinds: dict[bytes, tuple[str, str]] = {
             _key_id(spec_key(run_id)): (CONTROL, "spec"),
             _key_id(checkpoint_key(run_id)): (CONTROL, "checkpoint"),
@@ -102,6 +106,10 @@ class RunRecordValidator(RecordValidatorBase):
             value = MSGPackSerializer.loads(record.value)
         except Exception:
             return "undecodable value"
+        if role != CONTROL and self.admission.active:  # control records: the coordinator's signature suffices
+            refused = self.admission.problem(record.key, signer, value)
+            if refused:
+                return refused
         return schema_problem(what, value)
 
 
