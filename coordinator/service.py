@@ -28,6 +28,7 @@ from swarmpipe.peer.spec import RunSpec, load_spec
 from swarmpipe.peer.stage.error_contract import abort_malformed, generated_handlers, guard_handlers
 from swarmpipe.peer.stage.state import StateError
 from swarmpipe.peer.stage.state_transfer import download_state
+from swarmpipe.peer.stage.unauthenticated import logged
 from swarmpipe.peer.swarm.dht import SwarmDHT, start_dht, trust_coordinators, visible_maddrs
 from swarmpipe.peer.swarm.records import CheckpointRecord, PeerState, RunIndexRecord, now
 from swarmpipe.peer.transport.channels import server_options
@@ -172,10 +173,15 @@ class Coordinator:
             identity=self.swarm.identity,
             stage_members=self.swarm.stage_peers,
         )
-        self.grpc_server = grpc.aio.server(options=server_options(self.spec.limits.max_message_mb))
+        # a private swarm: credentials on every call, TLS with the certificate our checkpoint record names
+        security = self.swarm.security
+        interceptors = security.server_interceptors(logged(log, f"coordinator {self.swarm.peer_id[-6:]}"))
+        self.grpc_server = grpc.aio.server(
+            options=server_options(self.spec.limits.max_message_mb), interceptors=interceptors
+        )
         handlers = guard_handlers(generated_handlers(servicer), abort_malformed)  # garbage: INVALID_ARGUMENT
         self.grpc_server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("swarmpipe.Stage", handlers),))
-        port = self.grpc_server.add_insecure_port(f"{self.cfg.host}:{self.cfg.grpc_port}")
+        port = security.add_port(self.grpc_server, f"{self.cfg.host}:{self.cfg.grpc_port}")
         await self.grpc_server.start()
         self.grpc_address = f"{self.cfg.announce_host or self.cfg.host}:{port}"
 
@@ -187,6 +193,7 @@ class Coordinator:
             url=self.grpc_address,
             versions=[int(stages.get(str(s), {}).get("version", -1)) for s in range(self.spec.num_stages)],
             digests=[str(stages.get(str(s), {}).get("digest", "")) for s in range(self.spec.num_stages)],
+            tls_cert=self.swarm.security.cert_pem,  # clients pin it for url
         )
         await self.swarm.publish_checkpoint(record, ttl=3600)
 

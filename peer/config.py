@@ -30,6 +30,18 @@ class CommonConfig:
     log_level: str = opt("INFO", "logging level")
     event_log: str = opt("", "append JSON-lines events to this file")
     threads: int = opt(0, "torch threads for this process (0: the cores it may use, by affinity and cgroup quota)")
+    # private swarms (off by default; peer/swarm/access.py): every role of one swarm gets the same settings
+    identity: str = opt("", "private key file, created when missing: a stable peer id (needed with --allow-peers)")
+    auth_token: str = opt(
+        "", "private swarm: the shared secret of its members, 16+ characters (prefer the env var or the file)"
+    )
+    auth_token_file: str = opt("", "private swarm: read the shared secret from this file")
+    allow_peers: str = opt("", "private swarm: file of member peer ids or ssh-rsa public keys, one per line")
+    tls: bool = opt(
+        False, "TLS on gRPC: serve with a certificate published in our signed record; dial only pinned ones"
+    )
+    tls_cert: str = opt("", "PEM certificate for --tls (default: a fresh self-signed one per start)")
+    tls_key: str = opt("", "PEM private key of --tls-cert")
 
 
 @dataclass
@@ -124,6 +136,9 @@ class StatusConfig:
     run_id: str = opt("", "run to show (default: every run in the swarm index)")
     coordinator_id: list[str] = opt([], "peer ids of trusted coordinators (default: the peer ids in --initial-peers)")
     coordinator: str = opt("", "read from a coordinator's HTTP API instead (http://host:port)")
+    auth_token: str = opt("", "private swarm: show only records proven with this shared secret")
+    auth_token_file: str = opt("", "private swarm: read the shared secret from this file")
+    allow_peers: str = opt("", "private swarm: show only records of the peers listed in this file")
     json: bool = opt(False, "print JSON instead of a table")
     log_level: str = opt("WARNING", "logging level")
 
@@ -133,6 +148,10 @@ class HealthcheckConfig:
     address: str = opt("", "gRPC address of a peer (host:port) to ask for Info")
     url: str = opt("", "HTTP URL that must answer 200 (e.g. a coordinator's /api/swarm)")
     timeout: float = opt(5.0, "seconds")
+    auth_token: str = opt("", "private swarm: the shared secret to call with")
+    auth_token_file: str = opt("", "private swarm: read the shared secret from this file")
+    identity: str = opt("", "private swarm with --allow-peers: call as the peer id of this key file (on the list)")
+    tls_cert: str = opt("", "TLS: the certificate the peer serves (PEM file), pinned for --address")
     log_level: str = opt("WARNING", "logging level")
 
 

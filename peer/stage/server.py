@@ -6,6 +6,7 @@ Error contract (status code: when):
   NOT_FOUND          backward for a micro-batch this peer holds no forward for
   UNAVAILABLE        the peer is draining or not ready: retry on another replica
   RESOURCE_EXHAUSTED message over the size cap (enforced by grpc itself)
+  UNAUTHENTICATED    a private swarm's call without valid credentials (refused before any work)
 The peer keeps serving after any of them. Request bytes that do not decode are INVALID_ARGUMENT too,
 before any work; a status detail is short (a caller's strings cut), and a refused request is logged at
 most once per caller per 10 s, never with a traceback (peer/stage/error_contract.py).
@@ -44,7 +45,9 @@ from swarmpipe.peer.stage.siblings import Siblings, SiblingWaits
 from swarmpipe.peer.stage.state import StageState
 from swarmpipe.peer.stage.state_rpcs import StateRPCs
 from swarmpipe.peer.stage.state_transfer import DonorSnapshot
+from swarmpipe.peer.stage.unauthenticated import counted
 from swarmpipe.peer.swarm.records import WIRE_PROTOCOL, PeerState
+from swarmpipe.peer.transport import security as process_security
 from swarmpipe.peer.transport.channels import server_options, tune_allocator
 from swarmpipe.peer.transport.streaming import METHODS as STREAM_METHODS
 from swarmpipe.peer.transport.streaming import TensorView, frames, reassemble
@@ -372,16 +375,20 @@ def _stage_method_handlers(servicer: StageServicer) -> dict:
     return guard_handlers(handlers, servicer.rejections.malformed)
 
 
-async def start_server(servicer: StageServicer, host: str, port: int) -> tuple[grpc.aio.Server, int]:
-    """Bind and start; returns the server and the real port (port 0 picks a free one)."""
+async def start_server(
+    servicer: StageServicer, host: str, port: int, security: process_security.Security | None = None
+) -> tuple[grpc.aio.Server, int]:
+    """Bind and start; returns the server and the real port (port 0 picks a free one). ``security``: credentials
+    required and TLS (default: the process's, :mod:`swarmpipe.peer.transport.security`)."""
     tune_allocator()
-    server = grpc.aio.server(
-        options=server_options(servicer.spec.limits.max_message_mb), maximum_concurrent_rpcs=MAX_CONCURRENT_RPCS
-    )
+    security = security or process_security.current()
+    options = server_options(servicer.spec.limits.max_message_mb)
+    interceptors = security.server_interceptors(counted(servicer.rejections))  # none in an open swarm
+    server = grpc.aio.server(options=options, maximum_concurrent_rpcs=MAX_CONCURRENT_RPCS, interceptors=interceptors)
     handlers = _stage_method_handlers(servicer)
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("swarmpipe.Stage", handlers),))
     server.add_registered_method_handlers("swarmpipe.Stage", handlers)
-    bound = server.add_insecure_port(f"{host}:{port}")
+    bound = security.add_port(server, f"{host}:{port}")
     if bound == 0:
         raise OSError(f"could not bind the stage server to {host}:{port}")
     await server.start()

@@ -28,6 +28,7 @@ import grpc
 from swarmpipe.peer.stage.state import MixedState, StageState, StateError, assemble, from_chunks, to_chunks
 from swarmpipe.peer.swarm.identity import Identity
 from swarmpipe.peer.swarm.records import StageRecord
+from swarmpipe.peer.transport import security as process_security  # TLS pins, credentials (private swarms)
 from swarmpipe.peer.transport.channels import channel_options
 from swarmpipe.protos import swarm_pb2, swarm_pb2_grpc
 
@@ -75,7 +76,7 @@ async def _download_shard(
     base: bool = False,
     signers: frozenset[str] | None = None,
 ):
-    async with grpc.aio.insecure_channel(address, options=channel_options(max_message_mb)) as channel:
+    async with process_security.current().channel(address, channel_options(max_message_mb)) as channel:
         stub = swarm_pb2_grpc.StageStub(channel)
         request = swarm_pb2.DownloadStateRequest(
             run_id=run_id, stage=stage, shard=shard, num_shards=num_shards, base=base
@@ -183,7 +184,7 @@ async def push_state(
     signer: Identity | None = None,
 ) -> swarm_pb2.PushStateResponse:
     chunks = to_chunks(state, signer=signer, purpose="push")
-    async with grpc.aio.insecure_channel(address, options=channel_options(max_message_mb)) as channel:
+    async with process_security.current().channel(address, channel_options(max_message_mb)) as channel:
         stub = swarm_pb2_grpc.StageStub(channel)
         return await stub.PushState(iter(chunks), timeout=timeout)
 

@@ -9,11 +9,32 @@ import urllib.request
 import grpc
 
 from swarmpipe.peer.config import HealthcheckConfig
+from swarmpipe.peer.transport.security import Security
 from swarmpipe.protos import swarm_pb2, swarm_pb2_grpc
 
 
-async def _grpc_info(address: str, timeout: float) -> swarm_pb2.InfoResponse:
-    async with grpc.aio.insecure_channel(address) as channel:
+def _security(cfg: HealthcheckConfig) -> Security:
+    """A private swarm's peer answers only calls with credentials (its token, or the signature of a key on its
+    allow-list), and with --tls only over TLS to the certificate it serves."""
+    from swarmpipe.peer.swarm.access import key_credentials, read_token, token_credentials
+    from swarmpipe.peer.swarm.identity import load_identity
+
+    token = read_token(cfg.auth_token, cfg.auth_token_file)
+    credentials = None
+    if token:
+        credentials = token_credentials(token)
+    elif cfg.identity:
+        credentials = key_credentials(load_identity(cfg.identity))
+    security = Security(credentials=credentials, require_tls=bool(cfg.tls_cert))
+    if cfg.tls_cert:
+        with open(cfg.tls_cert) as f:
+            if not security.pins.learn(cfg.address, f.read()):
+                raise ValueError(f"{cfg.tls_cert} is not one PEM certificate")
+    return security
+
+
+async def _grpc_info(address: str, timeout: float, security: Security) -> swarm_pb2.InfoResponse:
+    async with security.channel(address) as channel:
         return await swarm_pb2_grpc.StageStub(channel).Info(swarm_pb2.InfoRequest(), timeout=timeout)
 
 
@@ -23,7 +44,7 @@ def run_healthcheck(cfg: HealthcheckConfig) -> int:
         return 2
     try:
         if cfg.address:
-            info = asyncio.run(_grpc_info(cfg.address, cfg.timeout))
+            info = asyncio.run(_grpc_info(cfg.address, cfg.timeout, _security(cfg)))
             if info.state == "draining":
                 print(f"unhealthy: peer {info.peer_id[-6:]} is draining")
                 return 1

@@ -14,6 +14,7 @@ from typing import Any
 
 from swarmpipe.cli.args import add_dataclass_flags, resolve
 from swarmpipe.peer.config import (
+    CommonConfig,
     CoordinatorConfig,
     DemoConfig,
     HealthcheckConfig,
@@ -95,6 +96,23 @@ def cmd_export(cfg: ExportConfig) -> int:
 
 
 @dataclass
+class IdentityConfig:
+    identity: str = opt("", "private key file (created when missing) to give --identity and list in --allow-peers")
+    log_level: str = opt("WARNING", "logging level")
+
+
+def cmd_identity(cfg: IdentityConfig) -> int:
+    from swarmpipe.peer.swarm.identity import load_identity
+
+    if not cfg.identity:
+        raise ValueError("--identity FILE is required (it is created when missing)")
+    identity = load_identity(cfg.identity)
+    print(f"peer id: {identity.peer_id}")
+    print(f"public key: {identity.key.get_public_key().to_bytes().decode()}")
+    return 0
+
+
+@dataclass
 class TokenizeConfig:
     data: str = opt("", "text, JSONL or Parquet file, or a folder of them, to tokenize")
     tokenizer: str = opt("", "Hugging Face tokenizer folder (e.g. the model's checkpoint folder)")
@@ -164,6 +182,7 @@ COMMANDS: dict[str, tuple[type, Callable[[Any], int], str]] = {
     "export": (ExportConfig, cmd_export, "write a checkpoint as a Hugging Face model folder"),
     "tokenize": (TokenizeConfig, cmd_tokenize, "tokenize text into a token file for training"),
     "tiny-llama": (TinyLlamaConfig, cmd_tiny_llama, "make a small random Llama checkpoint and tokenizer, offline"),
+    "identity": (IdentityConfig, cmd_identity, "print the peer id of a key file (for --allow-peers), creating it"),
 }
 
 
@@ -182,6 +201,10 @@ def main(argv: list[str] | None = None) -> int:
     cls, handler, _ = COMMANDS[args.command]
     try:
         cfg = resolve(cls, args, file_section=args.command)
+        if isinstance(cfg, (CommonConfig, StatusConfig)):  # private swarms: token / allow-list / TLS of this process
+            from swarmpipe.peer.swarm.access import SwarmAccess, install_access
+
+            install_access(SwarmAccess.from_config(cfg))
     except (ValueError, OSError) as e:
         print(f"swarmpipe {args.command}: {e}", file=sys.stderr)
         return 2
