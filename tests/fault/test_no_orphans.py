@@ -80,6 +80,7 @@ def test_sigkilled_peer_and_trainer_leave_no_process(swarm):
     trainer.proc.wait(timeout=10)
     left = _survivors({**peer_family, **trainer_family}, GONE_WITHIN_S)
     assert not left, f"still running {time.monotonic() - started:.1f}s after SIGKILL: {left}"
+    print(f"{len(peer_family) + len(trainer_family)} processes gone {time.monotonic() - started:.1f}s after SIGKILL")
 
     # The roles still standing exit within seconds of a SIGTERM, and take their processes along too.
     # (the peer first: it drains, then hands its state to the coordinator)
