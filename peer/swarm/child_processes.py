@@ -1,7 +1,7 @@
 """Processes a role starts die with it, however it ends: done, signalled, or SIGKILLed (preemption).
 
-Every role runs hivemind's DHT, a forked ``multiprocessing`` child that runs ``p2pd`` (a Go binary); a peer's
-replica averager is another forked child. Two things kept them alive after their role was gone:
+Every role runs hivemind's DHT, a forked ``multiprocessing`` child that runs ``p2pd`` (a Go binary); hivemind's
+averagers fork the same way. Two things kept such children alive after their role was gone:
 
 * a fork inherits the role's asyncio signal handlers, which only poke a loop the child never runs, so the
   child swallowed SIGTERM (and the role's interpreter then waited on it forever at exit, in multiprocessing's
