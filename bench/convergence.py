@@ -18,18 +18,81 @@ import argparse
 import json
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from swarmpipe.peer.data import BatchSampler, CorpusSplit, load_corpus  # noqa: E402
+from swarmpipe.peer.model.bytegpt import PipelineStage  # noqa: E402
 from swarmpipe.peer.optim.delay_simulator import one_f_one_b_delays, simulate  # noqa: E402
 from swarmpipe.peer.spec import ModelSpec, OptimizerSpec, RunSpec  # noqa: E402
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "convergence.json"
+TEXT_CORPUS_ROOT = Path("/usr/share/doc")  # English prose (READMEs, changelogs) on Debian-like machines
+TEXT_NAMES = ("README", "NEWS", "AUTHORS", "THANKS", "TODO")
+
+
+@dataclass(frozen=True)
+class Setting:
+    """Everything the bench holds fixed across runs; issue 16 switches these one at a time."""
+
+    lr: float = 3e-3
+    steps: int = 1000  # micro-batches per run
+    warmup: int = 20
+    clip: float = 1.0  # per-stage gradient clipping (0: off)
+    schedule: str = "cosine"  # cosine (to 10 %) | constant
+    psi: float = 0.004  # nesterov momentum_decay (NAdam's mu schedule)
+    init: str = "gpt2"  # gpt2 (the model's own) | torch | torch_embedding | torch_linear (see torch_init)
+    vocab: str = "bytes"  # bytes (256 ids) | compact (only the bytes the corpus has)
+    corpus: str = "stdlib"  # stdlib (Python source) | text (English prose under /usr/share/doc)
+
+
+def _text_corpus(max_bytes: int = 11 << 20) -> bytes:
+    files = sorted(
+        p for p in TEXT_CORPUS_ROOT.rglob("*") if p.is_file() and (p.suffix in (".txt", ".md") or p.name in TEXT_NAMES)
+    )
+    chunks, total = [], 0
+    for f in files:
+        chunks.append(f.read_bytes())
+        total += len(chunks[-1])
+        if total >= max_bytes:
+            break
+    return b"\n".join(chunks)[:max_bytes]
+
+
+def load_data(setting: Setting) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """(train, valid, vocab size) for the setting's corpus and vocabulary."""
+    raw = load_corpus() if setting.corpus == "stdlib" else _text_corpus()
+    split = CorpusSplit.from_bytes(raw)
+    if setting.vocab == "bytes":
+        return split.train, split.valid, 256
+    present = torch.unique(torch.cat([split.train, split.valid]))
+    table = torch.zeros(256, dtype=torch.uint8)
+    table[present.long()] = torch.arange(len(present), dtype=torch.uint8)
+    return table[split.train.long()], table[split.valid.long()], len(present)
+
+
+INIT_LAYERS = {"torch": (nn.Linear, nn.Embedding), "torch_embedding": (nn.Embedding,), "torch_linear": (nn.Linear,)}
+
+
+def torch_init(kind: str) -> Callable[[PipelineStage, int], None] | None:
+    """The layers' own ``reset_parameters`` (Linear: kaiming-uniform, std 1/sqrt(3 fan_in); Embedding:
+    N(0, 1)) in place of GPT-2's N(0, 0.02), for all of them or one kind; None for ``gpt2``."""
+    if kind == "gpt2":
+        return None
+    layers = INIT_LAYERS[kind]
+
+    def init(stage: PipelineStage, _: int) -> None:
+        for module in stage.modules():
+            if isinstance(module, layers):
+                module.reset_parameters()
+
+    return init
 
 
 @dataclass
@@ -65,10 +128,49 @@ def run_set(full: bool) -> list[RunConfig]:
     return runs
 
 
-def make_spec(cfg: RunConfig, lr: float, steps: int, warmup: int) -> RunSpec:
-    opt = OptimizerSpec(kind=cfg.kind, lr=lr, warmup_steps=warmup, total_steps=steps, stash=cfg.mode != "nostash")
-    model = ModelSpec(d_model=64, n_layers=8, n_heads=4, seq_len=64)
+def make_spec(cfg: RunConfig, setting: Setting, vocab_size: int = 256) -> RunSpec:
+    opt = OptimizerSpec(
+        kind=cfg.kind,
+        lr=setting.lr,
+        warmup_steps=setting.warmup,
+        total_steps=setting.steps if setting.schedule == "cosine" else 0,
+        clip_norm=setting.clip,
+        momentum_decay=setting.psi,
+        stash=cfg.mode != "nostash",
+    )
+    model = ModelSpec(vocab_size=vocab_size, d_model=64, n_layers=8, n_heads=4, seq_len=64)
     return RunSpec(num_stages=cfg.stages, seed=cfg.seed, microbatch_size=16, model=model, optimizer=opt).validate()
+
+
+def run_one(cfg: RunConfig, setting: Setting, eval_every: int = 50, eval_batches: int = 8) -> dict:
+    """One simulated training run; its record (final and curve of validation losses, time)."""
+    torch.set_num_threads(1)
+    train, valid, vocab = load_data(setting)
+    evals = BatchSampler(valid, 16, 64, seed=1234).fixed_batches(eval_batches)
+    spec = make_spec(cfg, setting, vocab)
+    sampler = BatchSampler(train, 16, 64, seed=cfg.seed)  # same data order for every run of a seed
+    delays = [0] * cfg.stages if cfg.synchronous else one_f_one_b_delays(cfg.stages)
+    init = torch_init(setting.init)
+    res = simulate(
+        spec,
+        setting.steps,
+        sampler.next,
+        delays,
+        cfg.mode,
+        evals,
+        eval_every,
+        init=init,  # type: ignore[arg-type]
+    )
+    return {
+        **asdict(cfg),
+        "delays": [0] * cfg.stages if cfg.mode == "gpipe" else delays,
+        "final_eval": res.eval_losses[-1],
+        "eval_micro": res.eval_micro,
+        "eval_losses": res.eval_losses,
+        "train_last50": sum(res.train_losses[-50:]) / min(50, len(res.train_losses)),
+        "updates": res.updates,
+        "seconds": round(res.seconds, 1),
+    }
 
 
 def steps_to_reach(eval_micro: list[int], eval_losses: list[float], target: float) -> int | None:
@@ -114,9 +216,16 @@ def summarize(results: list[dict], steps: int, lr: float) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=1000, help="micro-batches per run (updates, except GPipe: /4)")
-    parser.add_argument("--lr", type=float, default=3e-3)
-    parser.add_argument("--warmup", type=int, default=20)
+    defaults = Setting()
+    parser.add_argument("--steps", type=int, default=defaults.steps, help="micro-batches per run (GPipe: /4 updates)")
+    parser.add_argument("--lr", type=float, default=defaults.lr)
+    parser.add_argument("--warmup", type=int, default=defaults.warmup)
+    parser.add_argument("--clip", type=float, default=defaults.clip, help="per-stage gradient clipping, 0: off")
+    parser.add_argument("--schedule", choices=("cosine", "constant"), default=defaults.schedule)
+    parser.add_argument("--psi", type=float, default=defaults.psi, help="nesterov momentum_decay")
+    parser.add_argument("--init", choices=("gpt2", *INIT_LAYERS), default=defaults.init)
+    parser.add_argument("--vocab", choices=("bytes", "compact"), default=defaults.vocab)
+    parser.add_argument("--corpus", choices=("stdlib", "text"), default=defaults.corpus)
     parser.add_argument("--eval-every", type=int, default=50)
     parser.add_argument("--eval-batches", type=int, default=8)
     parser.add_argument("--full", action="store_true", help="add P=4, no-stash variants and a second seed")
@@ -132,8 +241,17 @@ def main(argv: list[str] | None = None) -> int:
         summarize(saved["runs"], saved["config"]["steps"], saved["config"]["lr"])
         return 0
 
-    split = CorpusSplit.from_bytes(load_corpus())
-    evals = BatchSampler(split.valid, 16, 64, seed=1234).fixed_batches(args.eval_batches)
+    setting = Setting(
+        lr=args.lr,
+        steps=args.steps,
+        warmup=args.warmup,
+        clip=args.clip,
+        schedule=args.schedule,
+        psi=args.psi,
+        init=args.init,
+        vocab=args.vocab,
+        corpus=args.corpus,
+    )
     runs = run_set(args.full)
     if args.only:
         keep = set(args.only.split(","))
@@ -145,24 +263,9 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     results = []
     for cfg in runs:
-        spec = make_spec(cfg, args.lr, args.steps, args.warmup)
-        sampler = BatchSampler(split.train, 16, 64, seed=cfg.seed)  # same data order for every run of a seed
-        delays = [0] * cfg.stages if cfg.synchronous else one_f_one_b_delays(cfg.stages)
-        res = simulate(
-            spec, args.steps, sampler.next, delays=delays, mode=cfg.mode, eval_batches=evals, eval_every=args.eval_every
-        )
-        record = {
-            **asdict(cfg),
-            "delays": [0] * cfg.stages if cfg.mode == "gpipe" else delays,
-            "final_eval": res.eval_losses[-1],
-            "eval_micro": res.eval_micro,
-            "eval_losses": res.eval_losses,
-            "train_last50": sum(res.train_losses[-50:]) / min(50, len(res.train_losses)),
-            "updates": res.updates,
-            "seconds": round(res.seconds, 1),
-        }
+        record = run_one(cfg, setting, args.eval_every, args.eval_batches)
         results.append(record)
-        print(f"{cfg.label:<40} val {record['final_eval']:.4f}  {res.seconds:6.1f}s", flush=True)
+        print(f"{cfg.label:<40} val {record['final_eval']:.4f}  {record['seconds']:6.1f}s", flush=True)
 
     summarize(results, args.steps, args.lr)
     total = time.perf_counter() - started
@@ -171,6 +274,7 @@ def main(argv: list[str] | None = None) -> int:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     payload = {
         "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        "setting": asdict(setting),
         "model": asdict(ModelSpec(d_model=64, n_layers=8, n_heads=4, seq_len=64)),
         "torch_threads": torch.get_num_threads(),
         "seconds": round(total, 1),

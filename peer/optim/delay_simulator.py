@@ -80,7 +80,9 @@ class DelaySimulator:
         mode: str = "stash",
         accumulate: int | None = None,
         observer: Callable[[StageEvent], None] | None = None,
+        init: Callable[[PipelineStage, int], None] | None = None,
     ):
+        """``init(stage, k)``, if given, re-initialises each fresh stage before anything is stashed."""
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         self.num_stages = P = spec.num_stages
@@ -100,6 +102,9 @@ class DelaySimulator:
         self.spec, self.mode, self.observer = spec, mode, observer
         self.accumulate = accumulate or 1
         self.stages = [PipelineStage(spec, k) for k in range(P)]
+        for k, stage in enumerate(self.stages):
+            if init is not None:
+                init(stage, k)
         self.optimizers = [
             build_optimizer(s.named_parameters(), spec.optimizer, k, P) for k, s in enumerate(self.stages)
         ]
@@ -209,9 +214,10 @@ def simulate(
     eval_every: int = 0,
     accumulate: int | None = None,
     observer: Callable[[StageEvent], None] | None = None,
+    init: Callable[[PipelineStage, int], None] | None = None,
 ) -> SimResult:
     """Train for ``steps`` micro-batches; evaluate every ``eval_every`` micro-batches and at the end."""
-    sim = DelaySimulator(spec, delays, mode, accumulate, observer)
+    sim = DelaySimulator(spec, delays, mode, accumulate, observer, init)
     result = SimResult()
     start = time.perf_counter()
     for i in range(1, steps + 1):

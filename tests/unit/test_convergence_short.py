@@ -32,3 +32,28 @@ def test_large_delay_async_adamw_is_worse_than_sync() -> None:
     assert sync_eval < 3.0  # it does learn (uniform bytes: ln 256 = 5.5)
     assert async_eval > sync_eval + 0.15
     assert async_train > sync_train
+
+
+def test_factor_bench_switches_one_thing_and_scores_the_gap() -> None:
+    """bench/convergence_factors.py in-process: settings, the gap closed, a tiny run of each init."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+    from convergence import RunConfig, Setting, run_one
+    from convergence_factors import FACTORS, factor_setting, jobs_for, table
+
+    assert factor_setting(FACTORS["horizon_2x"][1], 300).steps == 600
+    assert factor_setting(FACTORS["init_torch"][1], 300) == Setting(steps=300, init="torch")
+    jobs = jobs_for(["baseline", "psi_1"], 10, [0])
+    assert [(f, c.name) for f, c, _, _ in jobs][-1] == ("psi_1", "async_nesterov") and len(jobs) == 4
+    rec = lambda name, loss: {"name": name, "seed": 0, "final_eval": loss}  # noqa: E731
+    records = {
+        "baseline": [rec("sync_adamw", 2.0), rec("async_adamw", 3.0), rec("async_nesterov", 2.5)],
+        "psi_1": [rec("async_nesterov", 2.75)],
+    }
+    assert [round(r["closed"], 3) for r in table(records)] == [0.5, 0.25]
+    cfg = RunConfig("async_nesterov", "nesterov", "stash", 2, 0)
+    for init in ("gpt2", "torch_embedding"):
+        out = run_one(cfg, Setting(steps=3, init=init, vocab="compact"), eval_every=0, eval_batches=1)
+        assert out["updates"] == 3 and out["final_eval"] > 0

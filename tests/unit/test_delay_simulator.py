@@ -142,3 +142,21 @@ def test_simulate_reports_losses_and_evaluations() -> None:
         DelaySimulator(_spec(), delays=[1, 0])
     with pytest.raises(ValueError):
         DelaySimulator(_spec(), mode="pipedream")
+
+
+def test_init_hook_reinitialises_stages_before_the_first_snapshot() -> None:
+    seen: list[int] = []
+
+    def zero_linear(stage: PipelineStage, k: int) -> None:
+        seen.append(k)
+        with torch.no_grad():
+            for module in stage.modules():
+                if isinstance(module, torch.nn.Linear):
+                    module.weight.fill_(0.01 * (k + 1))
+
+    sim = DelaySimulator(_spec(), init=zero_linear)
+    assert seen == [0, 1, 2, 3]
+    for k, stage in enumerate(sim.stages):
+        weight = stage.blocks[0].fc.weight
+        assert torch.all(weight == 0.01 * (k + 1))
+        assert torch.equal(sim.stashed(k, 0)["blocks.0.fc.weight"], weight)  # version 0 is the re-initialised one
