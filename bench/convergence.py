@@ -29,6 +29,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from swarmpipe.peer.data import BatchSampler, CorpusSplit, load_corpus  # noqa: E402
 from swarmpipe.peer.model.bytegpt import PipelineStage  # noqa: E402
+from swarmpipe.peer.optim.delay_models import (  # noqa: E402
+    DelayModel,
+    Jitter,
+    RecordedDelays,
+    Replays,
+    SlowReplica,
+    Stragglers,
+)
 from swarmpipe.peer.optim.delay_simulator import one_f_one_b_delays, simulate  # noqa: E402
 from swarmpipe.peer.spec import ModelSpec, OptimizerSpec, RunSpec  # noqa: E402
 
@@ -50,6 +58,26 @@ class Setting:
     init: str = "gpt2"  # gpt2 (the model's own) | torch | torch_embedding | torch_linear (see torch_init)
     vocab: str = "bytes"  # bytes (256 ids) | compact (only the bytes the corpus has)
     corpus: str = "stdlib"  # stdlib (Python source) | text (English prose under /usr/share/doc)
+    delays: str = "1f1b"  # async runs' delays: see delay_model
+
+
+def delay_model(text: str, stages: int, seed: int) -> DelayModel | list[int]:
+    """``1f1b`` | ``jitter[:spread]`` | ``stragglers[:p]`` (Pareto 1.5, scale 3) | ``slow_replica[:stage]``
+    (2 replicas, one 4x slower) | ``replays[:p]`` | ``recorded:SCRAPE[+SCRAPE...]`` (one per stage)."""
+    kind, _, arg = text.partition(":")
+    if kind == "1f1b":
+        return one_f_one_b_delays(stages)
+    if kind == "jitter":
+        return Jitter(stages, spread=int(arg or 2), seed=seed)
+    if kind == "stragglers":
+        return Stragglers(stages, p=float(arg or 0.25), alpha=1.5, scale=3.0, seed=seed)
+    if kind == "slow_replica":
+        return SlowReplica(stages, stage=int(arg or 0), replicas=2, slowdown=4.0)
+    if kind == "replays":
+        return Replays(stages, p=float(arg or 0.05), seed=seed)
+    if kind == "recorded" and arg:
+        return RecordedDelays(stages, [Path(p).read_text() for p in arg.split("+")], seed=seed)
+    raise ValueError(f"unknown delay model {text!r}")
 
 
 def _text_corpus(max_bytes: int = 11 << 20) -> bytes:
@@ -149,7 +177,8 @@ def run_one(cfg: RunConfig, setting: Setting, eval_every: int = 50, eval_batches
     evals = BatchSampler(valid, 16, 64, seed=1234).fixed_batches(eval_batches)
     spec = make_spec(cfg, setting, vocab)
     sampler = BatchSampler(train, 16, 64, seed=cfg.seed)  # same data order for every run of a seed
-    delays = [0] * cfg.stages if cfg.synchronous else one_f_one_b_delays(cfg.stages)
+    # the same delay draws for every run of a seed
+    delays = [0] * cfg.stages if cfg.synchronous else delay_model(setting.delays, cfg.stages, 1000 + cfg.seed)
     init = torch_init(setting.init)
     res = simulate(
         spec,
@@ -163,7 +192,9 @@ def run_one(cfg: RunConfig, setting: Setting, eval_every: int = 50, eval_batches
     )
     return {
         **asdict(cfg),
-        "delays": [0] * cfg.stages if cfg.mode == "gpipe" else delays,
+        "delays": [0] * cfg.stages if cfg.mode == "gpipe" or cfg.synchronous else setting.delays,
+        "mean_delays": [round(d, 2) for d in res.mean_delays],
+        "capped": res.capped,
         "final_eval": res.eval_losses[-1],
         "eval_micro": res.eval_micro,
         "eval_losses": res.eval_losses,
@@ -226,6 +257,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--init", choices=("gpt2", *INIT_LAYERS), default=defaults.init)
     parser.add_argument("--vocab", choices=("bytes", "compact"), default=defaults.vocab)
     parser.add_argument("--corpus", choices=("stdlib", "text"), default=defaults.corpus)
+    parser.add_argument(
+        "--delays",
+        default=defaults.delays,
+        help="async delays: 1f1b | jitter[:spread] | stragglers[:p] | slow_replica[:stage] | replays[:p] | recorded:FILE[+FILE]",
+    )
     parser.add_argument("--eval-every", type=int, default=50)
     parser.add_argument("--eval-batches", type=int, default=8)
     parser.add_argument("--full", action="store_true", help="add P=4, no-stash variants and a second seed")
@@ -251,6 +287,7 @@ def main(argv: list[str] | None = None) -> int:
         init=args.init,
         vocab=args.vocab,
         corpus=args.corpus,
+        delays=args.delays,
     )
     runs = run_set(args.full)
     if args.only:

@@ -5,7 +5,10 @@ The real model is split into P :class:`PipelineStage` s, each with its own optim
 clipped per stage by ``clip_norm`` as the stage runtime does). Micro-batch t is
 processed by stage k on the weight version from ``tau_k`` updates before, which is
 what an asynchronous 1F1B pipeline (PipeDream) does: stage k has ``P - 1 - k``
-micro-batches in flight between a forward and its backward.
+micro-batches in flight between a forward and its backward. With a
+:class:`~swarmpipe.peer.optim.delay_models.DelayModel` instead of fixed delays, ``tau_k``
+is drawn for every micro-batch (random, heavy-tailed, slow replica, replays, or a
+histogram recorded from a real swarm; see delay_models.py).
 
 Modes:
 
@@ -36,6 +39,7 @@ from torch.func import functional_call
 
 from swarmpipe.peer.model.bytegpt import PipelineStage, lm_loss
 from swarmpipe.peer.optim import build_optimizer, set_learning_rate
+from swarmpipe.peer.optim.delay_models import DelayModel, FixedDelays, one_f_one_b
 from swarmpipe.peer.spec import RunSpec
 
 Batch = tuple[torch.Tensor, torch.Tensor]
@@ -43,9 +47,7 @@ Params = dict[str, torch.Tensor]
 MODES = ("stash", "nostash", "gpipe")
 
 
-def one_f_one_b_delays(num_stages: int) -> list[int]:
-    """Delays of asynchronous 1F1B: the last stage is current, stage 0 is P - 1 updates behind."""
-    return [num_stages - 1 - k for k in range(num_stages)]
+one_f_one_b_delays = one_f_one_b  # the name bench/convergence.py and the tests use
 
 
 @dataclass
@@ -68,6 +70,8 @@ class SimResult:
     eval_losses: list[float] = field(default_factory=list)
     updates: int = 0
     seconds: float = 0.0
+    mean_delays: list[float] = field(default_factory=list)  # per stage, over all micro-batches
+    capped: int = 0  # delays the model cut down to its max_delay
 
 
 class DelaySimulator:
@@ -76,13 +80,14 @@ class DelaySimulator:
     def __init__(
         self,
         spec: RunSpec,
-        delays: Sequence[int] | None = None,
+        delays: Sequence[int] | DelayModel | None = None,
         mode: str = "stash",
         accumulate: int | None = None,
         observer: Callable[[StageEvent], None] | None = None,
         init: Callable[[PipelineStage, int], None] | None = None,
     ):
-        """``init(stage, k)``, if given, re-initialises each fresh stage before anything is stashed."""
+        """``delays``: fixed per-stage delays (default 1F1B) or a :class:`DelayModel` drawing them per
+        micro-batch. ``init(stage, k)``, if given, re-initialises each fresh stage before anything is stashed."""
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         self.num_stages = P = spec.num_stages
@@ -96,9 +101,12 @@ class DelaySimulator:
                     opt, warmup_steps=opt.warmup_steps // accumulate, total_steps=opt.total_steps // accumulate
                 ),
             )
-        self.delays = list(one_f_one_b_delays(P) if delays is None else delays)
-        if len(self.delays) != P or min(self.delays) < 0:
-            raise ValueError(f"need {P} non-negative delays, got {self.delays}")
+        model = delays if hasattr(delays, "max_delay") else FixedDelays(P, delays)  # type: ignore[arg-type]
+        if model.num_stages != P:
+            raise ValueError(f"the delay model is for {model.num_stages} stages, the spec has {P}")
+        self.model: DelayModel = model
+        self.delays = model.delays(0)  # this micro-batch's delay at each stage
+        self.delay_sums = [0] * P
         self.spec, self.mode, self.observer = spec, mode, observer
         self.accumulate = accumulate or 1
         self.stages = [PipelineStage(spec, k) for k in range(P)]
@@ -111,7 +119,7 @@ class DelaySimulator:
         self.updates = 0
         self.micro = 0
         # ring[k] holds (version, params) for versions updates - tau_k .. updates.
-        self.rings: list[deque[tuple[int, Params]]] = [deque(maxlen=d + 1) for d in self.delays]
+        self.rings: list[deque[tuple[int, Params]]] = [deque(maxlen=model.max_delay + 1) for _ in range(P)]
         for k in range(P):
             self.rings[k].append((0, self._snapshot(k)))
 
@@ -129,6 +137,9 @@ class DelaySimulator:
 
     def train_micro(self, tokens: torch.Tensor, targets: torch.Tensor) -> float:
         """One micro-batch through all stages; steps every stage after ``accumulate`` of them."""
+        if self.micro > 0:
+            self.delays = self.model.delays(self.micro)
+        self.delay_sums = [a + min(d, self.updates) for a, d in zip(self.delay_sums, self.delays)]
         loss = self._stash_pass(tokens, targets) if self.mode != "nostash" else self._nostash_pass(tokens, targets)
         self.micro += 1
         if self.micro % self.accumulate == 0:
@@ -208,7 +219,7 @@ def simulate(
     spec: RunSpec,
     steps: int,
     next_batch: Callable[[], Batch],
-    delays: Sequence[int] | None = None,
+    delays: Sequence[int] | DelayModel | None = None,
     mode: str = "stash",
     eval_batches: Sequence[Batch] = (),
     eval_every: int = 0,
@@ -226,5 +237,7 @@ def simulate(
             result.eval_micro.append(i)
             result.eval_losses.append(sim.evaluate(eval_batches))
     result.updates = sim.updates
+    result.mean_delays = [total / max(1, steps) for total in sim.delay_sums]
+    result.capped = sim.model.capped
     result.seconds = time.perf_counter() - start
     return result

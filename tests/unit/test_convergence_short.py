@@ -57,3 +57,24 @@ def test_factor_bench_switches_one_thing_and_scores_the_gap() -> None:
     for init in ("gpt2", "torch_embedding"):
         out = run_one(cfg, Setting(steps=3, init=init, vocab="compact"), eval_every=0, eval_batches=1)
         assert out["updates"] == 3 and out["final_eval"] > 0
+
+
+def test_bench_delay_models_by_name(tmp_path) -> None:
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+    from convergence import delay_model
+
+    from swarmpipe.peer.optim.delay_models import RecordedDelays, SlowReplica, Stragglers
+
+    assert delay_model("1f1b", 4, 0) == [3, 2, 1, 0]
+    assert isinstance(delay_model("stragglers:0.5", 4, 0), Stragglers)
+    assert delay_model("slow_replica:2", 4, 0).delays(0) == [6, 5, 4, 0]
+    assert isinstance(delay_model("slow_replica", 4, 0), SlowReplica)
+    scrape = tmp_path / "stage.prom"
+    scrape.write_text('swarmpipe_gradient_delay_steps_bucket{le="2.0"} 3\n')
+    recorded = delay_model(f"recorded:{scrape}+{scrape}", 2, 0)
+    assert isinstance(recorded, RecordedDelays) and all(0 <= d <= 2 for d in recorded.delays(0))  # "le 2": 0..2
+    with pytest.raises(ValueError):
+        delay_model("poisson", 4, 0)
