@@ -131,6 +131,7 @@ class RunConfig:
     stages: int
     seed: int
     synchronous: bool = False  # zero delays
+    delay_source: str = "formula"  # OptimizerSpec.delay_source: formula | measured
 
     @property
     def label(self) -> str:
@@ -152,6 +153,9 @@ def run_set(full: bool) -> list[RunConfig]:
                 runs += [
                     RunConfig("nostash_adamw", "adamw", "nostash", stages, seed),
                     RunConfig("nostash_nesterov", "nesterov", "nostash", stages, seed),
+                    RunConfig(
+                        "nostash_nesterov_measured", "nesterov", "nostash", stages, seed, delay_source="measured"
+                    ),
                 ]
     return runs
 
@@ -165,6 +169,7 @@ def make_spec(cfg: RunConfig, setting: Setting, vocab_size: int = 256) -> RunSpe
         clip_norm=setting.clip,
         momentum_decay=setting.psi,
         stash=cfg.mode != "nostash",
+        delay_source=cfg.delay_source,
     )
     model = ModelSpec(vocab_size=vocab_size, d_model=64, n_layers=8, n_heads=4, seq_len=64)
     return RunSpec(num_stages=cfg.stages, seed=cfg.seed, microbatch_size=16, model=model, optimizer=opt).validate()
@@ -237,10 +242,10 @@ def summarize(results: list[dict], steps: int, lr: float) -> None:
         f"\nvalidation loss after {steps} micro-batches of 16 (lr {lr}); steps = micro-batches to reach "
         f"sync AdamW's loss at {half}; vs async = micro-batches to reach async AdamW's final loss"
     )
-    print(f"{'run':<22} {'P':>2} {'seed':>4} {'val loss':>9} {'steps':>6} {'vs async':>8} {'time s':>7}")
+    print(f"{'run':<26} {'P':>2} {'seed':>4} {'val loss':>9} {'steps':>6} {'vs async':>8} {'time s':>7}")
     for rec in results:
         print(
-            f"{rec['name']:<22} {rec['stages']:>2} {rec['seed']:>4} {rec['final_eval']:>9.4f} "
+            f"{rec['name']:<26} {rec['stages']:>2} {rec['seed']:>4} {rec['final_eval']:>9.4f} "
             f"{show(rec.get('steps_to_target')):>6} {show(rec.get('steps_to_async_final')):>8} {rec['seconds']:>7}"
         )
 

@@ -101,6 +101,9 @@ class OptimizerSpec:
     # False: peers keep no weight snapshots (less memory; a backward differentiates the live weights),
     # and nesterov switches to its no-stash corrections
     stash: bool = True
+    # the delay those corrections assume: formula (P - 1 - k) | measured (running average of the delays the
+    # optimizer is told, set_learning_rate(..., delay=)); the stage runtime does not pass them yet
+    delay_source: str = "formula"
 
 
 @dataclass
@@ -221,6 +224,10 @@ class RunSpec:
                 raise SpecError(f"codec {codec!r} cannot be used for {role}; allowed: {', '.join(allowed)}")
         if self.optimizer.kind not in ("adamw", "nesterov", "basis_rotation"):
             raise SpecError(f"unknown optimizer kind {self.optimizer.kind!r}")
+        if self.optimizer.delay_source not in ("formula", "measured"):
+            raise SpecError(
+                f"optimizer.delay_source must be formula or measured, got {str(self.optimizer.delay_source)[:40]!r}"
+            )
         if self.microbatch_size < 1 or self.update.step_every < 1:
             raise SpecError("microbatch_size and update.step_every must be >= 1")
         p = self.precision

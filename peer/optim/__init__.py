@@ -5,6 +5,11 @@ The stage runtime calls, for every local update::
     set_learning_rate(optimizer, spec, step, stage, num_stages)
     clip_grad_norm_(params, spec.clip_norm)
     optimizer.step(); optimizer.zero_grad()
+
+``set_learning_rate(..., delay=d)`` also tells the optimizer the measured delay of the gradient
+it is about to apply; with ``spec.delay_source = "measured"`` the no-stash Nesterov schedules use
+a running average of those (about DELAY_WINDOW steps, kept in the first param group so it
+travels with ``state_dict``) instead of the formula ``P - 1 - k``.
 """
 
 from __future__ import annotations
@@ -16,11 +21,19 @@ import torch
 from torch import nn
 
 from swarmpipe.peer.optim.basis_rotation import BasisRotationAdam, rotation_param_groups
-from swarmpipe.peer.optim.nesterov import PipelineNesterov, correction_horizon, stage_beta1, stage_delay
+from swarmpipe.peer.optim.nesterov import (
+    PipelineNesterov,
+    beta1_for_delay,
+    correction_horizon,
+    stage_beta1,
+    stage_delay,
+)
 from swarmpipe.peer.spec import OptimizerSpec
 
 # Horizon T_c of the no-stash learning-rate correction when the spec has no total_steps.
 DEFAULT_CORRECTION_STEPS = 1000
+# The measured delay's running average: the exact mean of the first DELAY_WINDOW, then an EMA that long.
+DELAY_WINDOW = 100
 
 
 def scheduled_lr(spec: OptimizerSpec, step: int) -> float:
@@ -75,22 +88,50 @@ def build_optimizer(
     raise ValueError(f"optimizer kind {spec.kind!r} is not available")
 
 
-def stage_lr_factor(spec: OptimizerSpec, step: int, stage: int, num_stages: int) -> float:
+def stage_lr_factor(spec: OptimizerSpec, step: int, stage: int, num_stages: int, delay: float | None = None) -> float:
     """No-stash nesterov: ``1 / tau_k ** (1 - min((t + 1) / T_c, 1))``, tau_k = max(1, P - 1 - k); else 1.
 
     Long-delay stages start with lr / tau_k and reach the full rate at T_c = 14 % of
     ``spec.total_steps`` (DEFAULT_CORRECTION_STEPS when that is 0), as the reference code.
+    ``delay``: an average measured delay to use instead of ``P - 1 - k``.
     """
     if spec.kind != "nesterov" or spec.stash:
         return 1.0
+    tau = stage_delay(stage, num_stages) if delay is None else max(1.0, delay)
     horizon = correction_horizon(spec.total_steps, DEFAULT_CORRECTION_STEPS)
-    return stage_delay(stage, num_stages) ** -(1.0 - min((step + 1) / horizon, 1.0))
+    return tau ** -(1.0 - min((step + 1) / horizon, 1.0))
+
+
+def average_delay(optimizer: torch.optim.Optimizer, delay: float | None, initial: float) -> float:
+    """Fold one measured delay (None: none this step) into the running average; returns the average."""
+    group = optimizer.param_groups[0]
+    average = float(group.get("delay_avg", initial))
+    if delay is not None:
+        seen = int(group.get("delay_seen", 0)) + 1
+        average += (float(delay) - average) / min(seen, DELAY_WINDOW)
+        group["delay_seen"] = seen
+    group["delay_avg"] = average
+    return average
 
 
 def set_learning_rate(
-    optimizer: torch.optim.Optimizer, spec: OptimizerSpec, step: int, stage: int, num_stages: int
+    optimizer: torch.optim.Optimizer,
+    spec: OptimizerSpec,
+    step: int,
+    stage: int,
+    num_stages: int,
+    delay: float | None = None,
 ) -> float:
-    lr = scheduled_lr(spec, step) * stage_lr_factor(spec, step, stage, num_stages)
+    """Set this step's lr (and, for measured no-stash nesterov, its beta1); ``delay``: the measured delay
+    of the gradient about to be applied, in local updates (used with ``spec.delay_source = "measured"``)."""
+    average = None
+    if spec.delay_source == "measured":
+        average = average_delay(optimizer, delay, float(max(0, num_stages - 1 - stage)))
+        if spec.kind == "nesterov" and not spec.stash:
+            beta1 = beta1_for_delay(spec.betas[0], spec.nesterov_beta1, average, num_stages)
+            for group in optimizer.param_groups:
+                group["betas"] = (beta1, group["betas"][1])
+    lr = scheduled_lr(spec, step) * stage_lr_factor(spec, step, stage, num_stages, average)
     for group in optimizer.param_groups:
         group["lr"] = lr
     return lr

@@ -194,7 +194,9 @@ class DelaySimulator:
     def _update(self) -> None:
         opt_spec = self.spec.optimizer
         for k, (stage, opt) in enumerate(zip(self.stages, self.optimizers)):
-            set_learning_rate(opt, opt_spec, self.updates, k, self.num_stages)
+            # tell the optimizer the delay this gradient really had (pipeline fill: at most the updates so far)
+            delay = min(self.delays[k], self.updates)
+            set_learning_rate(opt, opt_spec, self.updates, k, self.num_stages, delay=delay)
             if opt_spec.clip_norm > 0:
                 torch.nn.utils.clip_grad_norm_(stage.parameters(), opt_spec.clip_norm)
             opt.step()

@@ -36,6 +36,10 @@ delays. The reference code's two per-stage corrections (``--adaptive_momentum`` 
   max(1, d_k), over the first T_c = 14 % of the run (the code's 7 of 50 epochs; see
   :func:`swarmpipe.peer.optim.set_learning_rate`): small steps for long-delay stages
   early, the full rate afterwards.
+
+With ``OptimizerSpec.delay_source = "measured"`` both corrections take d_k and tau_k from a
+running average of the delays the optimizer is told (``set_learning_rate(..., delay=)``)
+instead of ``P - 1 - k``; in 1F1B the two agree.
 """
 
 from __future__ import annotations
@@ -54,10 +58,14 @@ def stage_delay(stage: int, num_stages: int) -> int:
     return max(1, num_stages - 1 - stage)
 
 
+def beta1_for_delay(base: float, target: float, delay: float, num_stages: int) -> float:
+    """No-stash momentum for a delay d: ``base + min(d, P - 1) (target - base) / P`` (below target)."""
+    return base + min(max(delay, 0.0), num_stages - 1) * (target - base) / num_stages
+
+
 def stage_beta1(base: float, target: float, stage: int, num_stages: int) -> float:
-    """No-stash momentum: ``base + d_k (target - base) / P`` with d_k = P - 1 - k (0 for the last stage)."""
-    delay = max(0, num_stages - 1 - stage)
-    return base + delay * (target - base) / num_stages
+    """No-stash momentum of the formula: d_k = P - 1 - k (0 for the last stage)."""
+    return beta1_for_delay(base, target, max(0, num_stages - 1 - stage), num_stages)
 
 
 def correction_horizon(total_steps: int, fallback: int) -> int:

@@ -160,3 +160,23 @@ def test_init_hook_reinitialises_stages_before_the_first_snapshot() -> None:
         weight = stage.blocks[0].fc.weight
         assert torch.all(weight == 0.01 * (k + 1))
         assert torch.equal(sim.stashed(k, 0)["blocks.0.fc.weight"], weight)  # version 0 is the re-initialised one
+
+
+def test_measured_delays_reach_the_optimizer() -> None:
+    from swarmpipe.peer.optim.delay_models import Stragglers
+
+    spec = _spec(kind="nesterov")
+    spec = dataclasses.replace(
+        spec, optimizer=dataclasses.replace(spec.optimizer, stash=False, delay_source="measured", total_steps=100)
+    )
+    sim = DelaySimulator(spec, delays=Stragglers(4, p=0.5, seed=2, max_delay=12), mode="nostash")
+    applied: list[list[int]] = []
+    for x, y in _batches(12):
+        before = sim.updates
+        sim.train_micro(x, y)
+        applied.append([min(d, before) for d in sim.delays])
+    for k, opt in enumerate(sim.optimizers):
+        mean = sum(row[k] for row in applied) / len(applied)
+        assert opt.param_groups[0]["delay_avg"] == pytest.approx(mean)  # the running average of what it was told
+    stage0_beta1 = sim.optimizers[0].param_groups[0]["betas"][0]
+    assert stage0_beta1 == pytest.approx(0.9 + min(sum(r[0] for r in applied) / 12, 3) * 0.09 / 4)

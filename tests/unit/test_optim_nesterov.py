@@ -3,15 +3,23 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 
 import pytest
 import torch
 
 from swarmpipe.peer.model.bytegpt import PipelineStage, lm_loss
-from swarmpipe.peer.optim import build_optimizer, set_learning_rate, stage_lr_factor
+from swarmpipe.peer.optim import (
+    DELAY_WINDOW,
+    average_delay,
+    build_optimizer,
+    scheduled_lr,
+    set_learning_rate,
+    stage_lr_factor,
+)
 from swarmpipe.peer.optim.nesterov import PipelineNesterov, stage_beta1
-from swarmpipe.peer.spec import ModelSpec, OptimizerSpec, RunSpec
+from swarmpipe.peer.spec import ModelSpec, OptimizerSpec, RunSpec, SpecError, spec_from_dict
 
 pytestmark = pytest.mark.unit
 torch.set_num_threads(1)
@@ -85,8 +93,6 @@ def test_nostash_learning_rate_correction() -> None:
     opt = PipelineNesterov([p])
     lr = set_learning_rate(opt, spec, 6, 0, 4)
     assert opt.param_groups[0]["lr"] == lr
-    from swarmpipe.peer.optim import scheduled_lr
-
     assert lr == pytest.approx(scheduled_lr(spec, 6) * 3**-0.5)
     # Stashing peers and other kinds get no correction; total_steps 0 falls back to a fixed horizon.
     assert stage_lr_factor(OptimizerSpec(kind="nesterov"), 0, 0, 4) == 1.0
@@ -165,3 +171,56 @@ def test_state_round_trip_continues_identically(stash: bool) -> None:
     _train(clone, clone_opt, opt_spec, batches[3:], 3)
     for a, b in zip(stage.parameters(), clone.parameters()):
         assert torch.equal(a, b)
+
+
+def test_measured_delay_running_average() -> None:
+    p = torch.nn.Parameter(torch.zeros(2))
+    opt = PipelineNesterov([p])
+    assert average_delay(opt, None, 7.0) == 7.0  # nothing measured yet: the formula's value
+    assert [average_delay(opt, d, 7.0) for d in (3, 5, 10)] == [3.0, 4.0, 6.0]  # exact mean at first
+    for _ in range(DELAY_WINDOW):
+        average_delay(opt, 2.0, 7.0)
+    before = opt.param_groups[0]["delay_avg"]
+    assert average_delay(opt, 102.0, 7.0) == pytest.approx(before + (102.0 - before) / DELAY_WINDOW)  # then an EMA
+    assert average_delay(opt, None, 7.0) == opt.param_groups[0]["delay_avg"]  # no measurement: unchanged
+
+
+def test_measured_delay_drives_the_nostash_schedules() -> None:
+    spec = OptimizerSpec(
+        kind="nesterov", stash=False, lr=1e-3, warmup_steps=0, total_steps=100, delay_source="measured"
+    )
+    p = torch.nn.Parameter(torch.zeros(2))
+    opt = build_optimizer([("w", p)], spec, 0, 8)
+    for step, delay in enumerate((3, 3, 3)):  # stage 0 of P = 8, but its gradients are 3 steps old
+        lr = set_learning_rate(opt, spec, step, 0, 8, delay=delay)
+    # beta1 = 0.9 + 3 (0.99 - 0.9) / 8 by hand; lr / 3 ** (1 - 3 / 14) instead of / 7 ** (...)
+    assert opt.param_groups[0]["betas"] == (pytest.approx(0.93375), 0.999)
+    assert lr == pytest.approx(scheduled_lr(spec, 2) / 3 ** (1 - 3 / 14))
+    # In 1F1B the measured and the formula schedules agree.
+    formula = dataclasses.replace(spec, delay_source="formula")
+    opt_f = build_optimizer([("w", torch.nn.Parameter(torch.zeros(2)))], formula, 0, 8)
+    opt_m = build_optimizer([("w", torch.nn.Parameter(torch.zeros(2)))], spec, 0, 8)
+    for step in range(5):
+        assert set_learning_rate(opt_m, spec, step, 0, 8, delay=7) == pytest.approx(
+            set_learning_rate(opt_f, formula, step, 0, 8, delay=7)
+        )
+    assert opt_m.param_groups[0]["betas"][0] == pytest.approx(opt_f.param_groups[0]["betas"][0])
+    # Stashing peers keep beta1 and the full lr; the average still travels in state_dict.
+    stash = dataclasses.replace(spec, stash=True)
+    opt_s = build_optimizer([("w", torch.nn.Parameter(torch.zeros(2)))], stash, 0, 8)
+    assert set_learning_rate(opt_s, stash, 0, 0, 8, delay=30) == scheduled_lr(stash, 0)
+    assert opt_s.param_groups[0]["betas"] == (0.99, 0.999)
+    saved = copy.deepcopy(opt.state_dict())
+    fresh = build_optimizer([("w", torch.nn.Parameter(torch.zeros(2)))], spec, 0, 8)
+    fresh.load_state_dict(saved)
+    assert fresh.param_groups[0]["delay_avg"] == 3.0 and fresh.param_groups[0]["delay_seen"] == 3
+    with pytest.raises(SpecError, match="delay_source"):
+        RunSpec(optimizer=OptimizerSpec(delay_source="guess")).validate()
+
+
+@pytest.mark.parametrize("value", [5, None, ["measured"], "measured" * 10_000, "formula\x00"])
+def test_hostile_delay_source_in_a_spec_is_refused(value: object) -> None:
+    with pytest.raises(SpecError, match="delay_source") as err:
+        spec_from_dict({"optimizer": {"delay_source": value}})
+    assert len(str(err.value)) < 200  # a short message, whatever was sent
+    assert spec_from_dict({"optimizer": {"delay_source": "measured"}}).optimizer.delay_source == "measured"
