@@ -18,7 +18,9 @@ import pytest
 from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.utils.crypto import RSAPrivateKey
 
+from swarmpipe.cli.healthcheck import run_healthcheck
 from swarmpipe.cli.launcher import wait_for
+from swarmpipe.peer.config import HealthcheckConfig
 from swarmpipe.peer.swarm.access import SwarmAccess, key_credentials, read_allow_list, token_credentials
 from swarmpipe.peer.swarm.dht import SwarmDHT, start_dht
 from swarmpipe.peer.swarm.identity import load_identity, split_signed_subkey
@@ -152,6 +154,9 @@ async def test_a_token_swarm_trains_and_strangers_get_nothing(swarm, tmp_path: P
     await asyncio.to_thread(wait_for, lambda: swarm.events_of("checkpoint"), 60, "a checkpoint")
     targets = [honest["address"], _checkpoint_server(swarm)]
     await _refused_everywhere(Security(), targets)  # no credentials
+    healthcheck = HealthcheckConfig(address=honest["address"], auth_token_file=str(token_file), timeout=10)
+    assert await asyncio.to_thread(run_healthcheck, healthcheck) == 0
+    assert await asyncio.to_thread(run_healthcheck, HealthcheckConfig(address=honest["address"], timeout=10)) == 1
     await _refused_everywhere(Security(credentials=token_credentials(b"a wrong guess at the token")), targets)
     assert first.alive() and second.alive()
 
@@ -209,4 +214,9 @@ async def test_an_allow_list_swarm_with_tls_trains_and_pins_certificates(swarm, 
     # the stranger dials over TLS to the certificates members pinned, with a key of its own: refused
     stranger_security = Security(credentials=key_credentials(ids["stranger"]), pins=security.pins, require_tls=True)
     await _refused_everywhere(stranger_security, [honest["address"], _checkpoint_server(swarm)])
+    (tmp_path / "peer0.pem").write_text(honest_cert)
+    checks = {"impostor": 0, "stranger": 1}  # a listed key passes, a key off the list does not
+    for name, expected in checks.items():
+        cfg = HealthcheckConfig(address=honest["address"], identity=keys[name], tls_cert=str(tmp_path / "peer0.pem"))
+        assert await asyncio.to_thread(run_healthcheck, cfg) == expected, name
     assert first.alive() and second.alive()

@@ -67,6 +67,17 @@ def test_bad_allow_lists_are_refused(tmp_path, text: str) -> None:
         read_allow_list(str(path))
 
 
+def test_the_identity_command_prints_the_peer_id(tmp_path, capsys) -> None:
+    from swarmpipe.cli.main import main
+
+    path = tmp_path / "alice.key"
+    assert main(["identity", "--identity", str(path)]) == 0
+    first = capsys.readouterr().out
+    assert main(["identity", "--identity", str(path)]) == 0  # the same key, created once
+    assert capsys.readouterr().out == first and f"peer id: {load_identity(str(path)).peer_id}" in first
+    assert "ssh-rsa " in first
+
+
 def test_settings_are_consistent(tmp_path) -> None:
     assert SwarmAccess().mode == "open" and not SwarmAccess().active
     with pytest.raises(ValueError, match="choose one"):
