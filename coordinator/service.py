@@ -36,6 +36,7 @@ from swarmpipe.peer.transport.channels import server_options
 log = logging.getLogger("swarmpipe.coordinator")
 POLL_PERIOD_S = 2.0
 HISTORY_POINTS = 2000
+MAX_REPORTED_BANS = 10_000  # bans remembered for events: bounded however many trainers report
 
 
 def _saved_port(identity: str) -> int:
@@ -67,6 +68,7 @@ class Coordinator:
         self.history: deque[dict[str, Any]] = deque(maxlen=HISTORY_POINTS)
         self.recent_events: deque[dict[str, Any]] = deque(maxlen=200)
         self._known_peers: dict[str, tuple[int, str]] = {}
+        self._reported_bans: set[tuple[str, str]] = set()  # (trainer, peer) pairs already turned into events
         self.http: SwarmHttpServer | None = None
         self.initial_peers: list[str] = []
         self.store = (
@@ -191,9 +193,9 @@ class Coordinator:
             step=int(manifest["step"]),
             created_at=float(manifest.get("created_at", now())),
             url=self.grpc_address,
+            tls_cert=self.swarm.security.cert_pem,  # clients pin it for url
             versions=[int(stages.get(str(s), {}).get("version", -1)) for s in range(self.spec.num_stages)],
             digests=[str(stages.get(str(s), {}).get("digest", "")) for s in range(self.spec.num_stages)],
-            tls_cert=self.swarm.security.cert_pem,  # clients pin it for url
         )
         await self.swarm.publish_checkpoint(record, ttl=3600)
 
@@ -294,9 +296,14 @@ class Coordinator:
                 "microbatches_retried": t.microbatches_retried,
                 "microbatches_lost": t.microbatches_lost,
                 "updated_at": t.updated_at,
+                "banned": list(t.banned),
             }
             for pid, t in sorted(trainers.items())
         ]
+        self._report_bans(trainers)
+        for stage in stage_rows:  # how many trainers caught each replica lying (a claim by each trainer, no more)
+            for row in stage["peers"]:
+                row["reported_by"] = sum(row["peer_id"] in t.banned for t in trainers.values())
         self.snapshot = {
             "run_id": self.spec.run_id,
             "spec": self.spec.to_dict(),
@@ -321,6 +328,14 @@ class Coordinator:
                 "step": max((t["step"] for t in trainer_rows), default=0),
             }
         )
+
+    def _report_bans(self, trainers: dict) -> None:
+        """One event per replica a trainer banned for failing verification (its signed record names them)."""
+        for trainer_id, record in trainers.items():
+            for peer_id in record.banned:
+                if (trainer_id, peer_id) not in self._reported_bans and len(self._reported_bans) < MAX_REPORTED_BANS:
+                    self._reported_bans.add((trainer_id, peer_id))
+                    self._event("replica_reported", peer=peer_id, trainer=trainer_id)
 
     def _diff_membership(self, seen: dict[str, tuple[int, str]]) -> None:
         for peer_id, (stage, state) in seen.items():

@@ -116,7 +116,7 @@ class MicrobatchRunner:
                     stage,
                     lambda v, s=stage: self.calls.forward(v, s, mb_id, inputs[s]),
                     journey,
-                    check=lambda v, y, s=stage: self._check_output(v, s, inputs[s], y, targets),
+                    check=lambda v, y, s=stage: self._check_output(v, s, inputs[s], y),
                 )
                 inputs.append(out)
                 peers.append(view)
@@ -206,11 +206,9 @@ class MicrobatchRunner:
         return grad_in, dropped
 
     # ------------------------------------------------------------ verification
-    async def _check_output(
-        self, view: PeerView, stage: int, x: torch.Tensor, y: torch.Tensor, targets: torch.Tensor
-    ) -> None:
+    async def _check_output(self, view: PeerView, stage: int, x: torch.Tensor, y: torch.Tensor) -> None:
         if self.verifier.sampled():
-            await self.verifier.check_output(view, stage, x, y, targets)
+            await self.verifier.check_output(view, stage, x, y)
 
     async def _check_gradient(
         self,

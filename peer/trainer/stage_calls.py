@@ -51,6 +51,8 @@ class StageCalls:
         self._ticket_key = os.urandom(32)  # never leaves this process; tickets derive from it
         # per stage: the norms of what its replicas returned (per sample), learned from accepted values only
         self.guards: dict[tuple[str, int], NormGuard] = {}
+        # peer id -> the newest weight version it answered with (verification judges only answers close in version)
+        self.versions: dict[str, int] = {}
 
     async def close(self) -> None:
         await self.pool.close()
@@ -70,6 +72,8 @@ class StageCalls:
             )
             sent = sum(memoryview(p).nbytes for p in payloads or () if p is not None)
             timed.nbytes = request.ByteSize() + sent + response.ByteSize()
+        if len(self.versions) < 100_000 or view.peer_id in self.versions:  # bounded however many peers lie
+            self.versions[view.peer_id] = max(response.version, self.versions.get(view.peer_id, 0))
         return response
 
     def ticket(self, mb_id: str) -> bytes:
@@ -115,10 +119,11 @@ class StageCalls:
             ticket=b"" if evaluate else self.ticket(mb_id),
         )
         response = await self.call(view, "Forward", request, payloads=[payload])
+        last = stage == self.spec.num_stages - 1  # an evaluate Forward there answers with logits
         out = decode(
             response.output,
             max_elements=self.spec.limits.max_tensor_elements,
-            expect_shape=(x.shape[0], x.shape[1], self.spec.model.d_model),
+            expect_shape=(x.shape[0], x.shape[1], self.spec.model.vocab_size if last else self.spec.model.d_model),
             what="forward output",
         ).float()
         return out if evaluate else self.bounded("activations", stage, out)
