@@ -33,6 +33,7 @@ class SpecError(ValueError):
 
 MODEL_FAMILIES = ("bytegpt", "llama")  # one module each in peer/model/
 FINETUNE_METHODS = ("full", "lora")
+AVERAGING_AGGREGATES = ("centered_clip", "trimmed_mean", "mean")  # peer/stage/robust_aggregate.py
 
 
 @dataclass
@@ -161,6 +162,8 @@ class RunSpec:
     seed: int = 0
     averaging_period: int = 50  # replica averaging: at least this many local steps between rounds
     averaging_interval_s: float = 30.0  # rounds at clock-aligned slots this far apart (0 disables averaging)
+    # how a replica combines its siblings' weights with its own: centered_clip | trimmed_mean | mean (unprotected)
+    averaging_aggregate: str = "centered_clip"
     model: ModelSpec = field(default_factory=ModelSpec)
     finetune: FinetuneSpec = field(default_factory=FinetuneSpec)
     optimizer: OptimizerSpec = field(default_factory=OptimizerSpec)
@@ -222,6 +225,10 @@ class RunSpec:
             codec, allowed = getattr(self.compression, role), codecs.allowed_in_spec(role)
             if codec not in allowed:
                 raise SpecError(f"codec {codec!r} cannot be used for {role}; allowed: {', '.join(allowed)}")
+        if self.averaging_aggregate not in AVERAGING_AGGREGATES:
+            raise SpecError(
+                f"unknown averaging_aggregate {self.averaging_aggregate[:40]!r}; known: {', '.join(AVERAGING_AGGREGATES)}"
+            )
         if self.optimizer.kind not in ("adamw", "nesterov", "basis_rotation"):
             raise SpecError(f"unknown optimizer kind {self.optimizer.kind!r}")
         if self.optimizer.delay_source not in ("formula", "measured"):

@@ -155,18 +155,20 @@ class InfoResponse(_message.Message):
     def __init__(self, peer_id: _Optional[str] = ..., stage: _Optional[int] = ..., version: _Optional[int] = ..., throughput: _Optional[float] = ..., queue: _Optional[int] = ..., state: _Optional[str] = ..., samples_processed: _Optional[int] = ..., dropped_stale: _Optional[int] = ..., busy_seconds: _Optional[float] = ..., cpu_seconds: _Optional[float] = ..., batches: _Optional[int] = ..., batched_microbatches: _Optional[int] = ..., protocol: _Optional[int] = ..., device: _Optional[str] = ..., device_memory_total: _Optional[int] = ..., device_memory_used: _Optional[int] = ..., stash_bytes: _Optional[int] = ...) -> None: ...
 
 class DownloadStateRequest(_message.Message):
-    __slots__ = ("run_id", "stage", "shard", "num_shards", "base")
+    __slots__ = ("run_id", "stage", "shard", "num_shards", "base", "params_only")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     STAGE_FIELD_NUMBER: _ClassVar[int]
     SHARD_FIELD_NUMBER: _ClassVar[int]
     NUM_SHARDS_FIELD_NUMBER: _ClassVar[int]
     BASE_FIELD_NUMBER: _ClassVar[int]
+    PARAMS_ONLY_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     stage: int
     shard: int
     num_shards: int
     base: bool
-    def __init__(self, run_id: _Optional[str] = ..., stage: _Optional[int] = ..., shard: _Optional[int] = ..., num_shards: _Optional[int] = ..., base: _Optional[bool] = ...) -> None: ...
+    params_only: bool
+    def __init__(self, run_id: _Optional[str] = ..., stage: _Optional[int] = ..., shard: _Optional[int] = ..., num_shards: _Optional[int] = ..., base: _Optional[bool] = ..., params_only: _Optional[bool] = ...) -> None: ...
 
 class StateChunk(_message.Message):
     __slots__ = ("name", "tensor", "version", "metadata_json", "index", "total")

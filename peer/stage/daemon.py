@@ -79,8 +79,6 @@ class PeerDaemon:
                 await self.server.stop(grace=1.0)
             if self.servicer is not None:
                 self.servicer.runtime.close()
-            if self.averager is not None:
-                self.averager.shutdown()
             self.dht.shutdown()
 
     async def _serve_or_leave(self) -> int:
@@ -126,15 +124,19 @@ class PeerDaemon:
         runtime = StageRuntime(
             spec, stage, base_dir=cfg.checkpoint, device=self.device, stash_bound_bytes=self.stash_bound(spec)
         )
-        # The averager forks a process: it must exist before the gRPC server starts.
-        self.averager = ReplicaAverager(self.dht, runtime, self.events) if spec.averaging_interval_s > 0 else None
         metrics = PeerMetrics()
         self.servicer = StageServicer(runtime, peer_id, metrics, self.lifecycle)
         # shards we serve are signed by us; pushed state is taken only from our stage's announced replicas
         self.servicer.identity = self.swarm.identity
         self.servicer.stage_members = lambda: self.swarm.stage_peers(self.servicer.runtime.stage)
         self.servicer.on_state_pushed = lambda state: self.events.emit(
-            "state_received", from_version=state.version, digest=state.digest(), version=self.servicer.runtime.version
+            "state_received",
+            from_version=state.version,
+            digest=state.digest(),
+            version=self.servicer.runtime.version,
+            clipped=state.meta.get("blend_scale", 1.0) < 1.0,  # its pull bounded like an averaging round's
+            scale=float(f"{state.meta.get('blend_scale', 1.0):.4g}"),
+            radius=float(f"{state.meta.get('blend_radius', 0.0):.4g}"),
         )
         self.server, port = await start_server(self.servicer, cfg.host, cfg.port)
         self.address = f"{cfg.announce_host or cfg.host}:{port}"
@@ -163,7 +165,14 @@ class PeerDaemon:
         return 0
 
     def _start_averaging(self) -> None:
-        if self.averager is not None:
+        """Average with the current stage's replicas (again after a move: a fresh averager for the new runtime)."""
+        if self.averaging_task is not None:
+            self.averaging_task.cancel()
+        runtime = self.servicer.runtime
+        # our own movement, which bounds averaging rounds and pushed states, counts from here
+        runtime.submit(runtime.set_anchor)
+        if runtime.spec.averaging_interval_s > 0:
+            self.averager = ReplicaAverager(runtime, self.events)
             self.averaging_task = asyncio.create_task(self.averager.run(self.swarm))
 
     @property
@@ -175,19 +184,8 @@ class PeerDaemon:
         old = self.servicer.runtime
         self.servicer.swap_runtime(runtime)
         old.close()
-        self._restart_averaging(runtime)
-        self.lifecycle.change(PeerState.ONLINE)
-
-    def _restart_averaging(self, runtime: StageRuntime) -> None:
-        """Average with the new stage's replicas (this fork happens after gRPC started, which is safe
-        because the averager process never touches gRPC)."""
-        if self.averager is None:
-            return
-        if self.averaging_task is not None:
-            self.averaging_task.cancel()
-        self.averager.shutdown()
-        self.averager = ReplicaAverager(self.dht, runtime, self.events)
         self._start_averaging()
+        self.lifecycle.change(PeerState.ONLINE)
 
     async def _pick_run(self) -> str:
         probe = SwarmDHT(self.dht, "")

@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from swarmpipe.peer.stage.robust_aggregate import clip_scale
 from swarmpipe.peer.stage.state_errors import MixedState, StateError
 from swarmpipe.peer.stage.state_signing import ChunkHasher, chunks_hash, sign_meta, unsigned, verify_meta
 from swarmpipe.peer.swarm.identity import Identity
@@ -97,12 +99,24 @@ def load_into(module: torch.nn.Module, optimizer: torch.optim.Optimizer | None, 
         optimizer.load_state_dict(_optimizer_state_dict(state, state.meta.get("optimizer") or {}))
 
 
-def blend_into(module: torch.nn.Module, other: StageState, weight: float) -> None:
-    """p <- (1 - w) p + w p_other for every parameter (shapes checked first)."""
+def blend_into(module: torch.nn.Module, other: StageState, weight: float, radius: float | None = None) -> float:
+    """p <- p + w s (p_other - p) for every parameter (shapes and finiteness checked first), where s brings the
+    whole displacement ||p_other - p|| within ``radius`` (s = 1 without one). Returns s."""
     check_params(module, other, what="cannot average: state")
+    params = trainable(module)
+    theirs = [other.tensors[f"param.{name}"] for name, _ in params]
+    if not all(bool(torch.isfinite(t).all()) for t in theirs):
+        raise StateError("cannot average: the state has NaN or Inf weights")
     with torch.no_grad():
-        for name, p in trainable(module):
-            p.mul_(1 - weight).add_(other.tensors[f"param.{name}"].to(p.device, p.dtype), alpha=weight)
+        scale = 1.0
+        if radius is not None:
+            squares = sum(
+                float((t.to(p.device, torch.float32) - p.float()).square().sum()) for t, (_, p) in zip(theirs, params)
+            )
+            scale = clip_scale(math.sqrt(squares), radius)
+        for t, (_, p) in zip(theirs, params):
+            p.add_((t.to(p.device, p.dtype) - p) * (weight * scale))
+    return scale
 
 
 def _optimizer_state_dict(state: StageState, opt_meta: dict[str, Any]) -> dict[str, Any]:

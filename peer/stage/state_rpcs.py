@@ -1,5 +1,6 @@
 """The state side of the ``Stage`` service: a joiner downloads a stage's state (or, in a LoRA run, its
-frozen base) from this replica, and a draining replica pushes its newest state here to be averaged in.
+frozen base, or only its trained weights for a sibling's averaging round) from this replica, and a draining
+replica pushes its newest state here to be blended in, its pull clipped like an averaging round's.
 Part of :class:`~swarmpipe.peer.stage.server.StageServicer`, which owns the fields used here.
 
 Both directions are signed (:mod:`swarmpipe.peer.stage.state_signing`): shards we serve carry our signature,
@@ -9,6 +10,7 @@ than a state of this stage can be, and with a version no further ahead than its 
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Awaitable, Callable
 
 import grpc
@@ -16,13 +18,14 @@ import grpc
 from swarmpipe.peer.stage.memory import state_bytes_bound
 from swarmpipe.peer.stage.request_checks import RequestError, check_header
 from swarmpipe.peer.stage.state import StageState, to_chunks
-from swarmpipe.peer.stage.state_transfer import receive_pushed
+from swarmpipe.peer.stage.state_transfer import ParamsExport, receive_pushed
 from swarmpipe.peer.swarm.identity import Identity
 from swarmpipe.peer.swarm.records import MAX_VERSION, PeerState, StageRecord
 from swarmpipe.protos import swarm_pb2
 
 PUSH_TIMEOUT_S = 120.0  # a push that never closes is cut off, and what it sent is dropped
 VERSION_SLACK = 10_000  # steps a pusher may be ahead of its last announcement (records lag one period)
+PUSH_EVERY_S = 30.0  # accepted pushes per sibling: a drain or a move hands its state over once
 
 
 class StateRPCs:
@@ -39,7 +42,14 @@ class StateRPCs:
                 raise RequestError(
                     grpc.StatusCode.UNAVAILABLE, "this peer is still joining; download from another replica"
                 )
-            if request.base:  # the frozen base weights of a LoRA run (full fine-tuning trains them)
+            if request.params_only:  # a sibling's averaging round: our trainable weights, one stream
+                if request.base or request.shard or request.num_shards > 1:
+                    raise RequestError(
+                        grpc.StatusCode.INVALID_ARGUMENT,
+                        "params_only is one whole stream of the trained weights: not with base or shards",
+                    )
+                chunks = await self._params_export().get(self.runtime, self._params_chunks)
+            elif request.base:  # the frozen base weights of a LoRA run (full fine-tuning trains them)
                 if self.spec.finetune.method != "lora":
                     raise RequestError(grpc.StatusCode.NOT_FOUND, "replicas serve base weights only in LoRA runs")
                 state = await self._compute("download_state", self.runtime.export_base)
@@ -47,9 +57,10 @@ class StateRPCs:
                 # Exported on the compute thread (one consistent version, never mid-update) and kept a while,
                 # so every shard of one joiner's download comes from the same snapshot.
                 state = await self.donor.get(lambda: self._compute("download_state", self.runtime.export_state))
-            chunks = await asyncio.to_thread(
-                to_chunks, state, request.shard, request.num_shards or 1, self.spec.compression.state, self.identity
-            )
+            if not request.params_only:
+                chunks = await asyncio.to_thread(
+                    to_chunks, state, request.shard, request.num_shards or 1, self.spec.compression.state, self.identity
+                )
         except (RequestError, ValueError) as e:
             code = e.code if isinstance(e, RequestError) else grpc.StatusCode.INVALID_ARGUMENT
             self.metrics.errors.labels("download_state", code.name.lower()).inc()
@@ -74,20 +85,49 @@ class StateRPCs:
             check_header(self.spec, self.runtime.stage, state.meta.get("run_id", ""), int(state.meta.get("stage", -1)))
             if signed:
                 await self._check_pusher(state)
-            await self._compute("push_state", lambda: self.runtime.blend(state))
+                self._limit_pushes(str(state.meta["signed_by"]))
+            # bounded: the pushed weights' displacement from ours is clipped like an averaging round's
+            scale, radius = await self._compute("push_state", lambda: _bounded_blend(self.runtime, state))
+            state.meta.update(blend_scale=scale, blend_radius=radius)  # ours, after the signature check: for the log
             if self.on_state_pushed is not None:
                 self.on_state_pushed(state)
+            clipped = f" (its pull clipped to {scale:.2g} of the way)" if scale < 1.0 else ""
+            clipped = " (an outlier, far beyond our trust radius: clipped to no pull)" if scale == 0.0 else clipped
             return swarm_pb2.PushStateResponse(
                 accepted=True,
                 version=self.runtime.version,
-                detail=f"averaged state of version {state.version} into ours",
+                detail=f"averaged state of version {state.version} into ours{clipped}",
             )
 
         return await self._serve("push_state", context, handle)  # StateError is a ValueError: INVALID_ARGUMENT
 
+    def _params_export(self) -> ParamsExport:
+        export = self.__dict__.get("_params")
+        if export is None:
+            export = self.__dict__["_params"] = ParamsExport()
+        return export
+
+    async def _params_chunks(self) -> list[swarm_pb2.StateChunk]:
+        state = await self._compute("download_state", self.runtime.export_params)
+        return await asyncio.to_thread(to_chunks, state, 0, 1, self.spec.compression.state, self.identity)
+
     def _push_cap(self) -> int:
         """The most bytes a pushed state of this stage can take: a bound on what one caller makes us buffer."""
         return state_bytes_bound(self.spec, self.runtime.stage)
+
+    def _limit_pushes(self, sender: str) -> None:
+        """One accepted push per sibling per :data:`PUSH_EVERY_S`: a drain pushes once, so repeated bounded
+        pulls from one sibling cannot add up to a large move. Holds only announced replicas' ids."""
+        seen: dict[str, float] = self.__dict__.setdefault("_pushed_at", {})
+        now = time.monotonic()
+        for pid in [p for p, at in seen.items() if now - at > PUSH_EVERY_S]:
+            del seen[pid]
+        if sender in seen:
+            raise RequestError(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"peer {sender[-6:]} pushed its state {now - seen[sender]:.0f} s ago: one push per {PUSH_EVERY_S:.0f} s",
+            )
+        seen[sender] = now
 
     async def _check_pusher(self, state: StageState) -> None:
         """Only a replica announced on our stage may hand us its state, and only a version it could have."""
@@ -97,6 +137,14 @@ class StateRPCs:
         code, problem = pusher_problem(state, self.runtime.stage, members)
         if problem:
             raise RequestError(code, problem)
+
+
+def _bounded_blend(runtime, state: StageState) -> tuple[float, float]:
+    """Compute thread: blend ``state`` in with its pull clipped to our trust radius, then re-anchor."""
+    radius = runtime.push_radius()
+    scale = runtime.blend(state, radius=radius)
+    runtime.set_anchor()
+    return scale, radius
 
 
 def pusher_problem(state: StageState, stage: int, members: dict[str, StageRecord]) -> tuple[grpc.StatusCode, str]:

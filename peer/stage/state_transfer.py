@@ -35,7 +35,35 @@ from swarmpipe.protos import swarm_pb2, swarm_pb2_grpc
 log = logging.getLogger("swarmpipe.state")
 TRANSFER_TIMEOUT_S = 120.0
 SNAPSHOT_TTL_S = 30.0  # a joiner's parallel and retried shard requests arrive well within this
+PARAMS_TTL_S = 2.0  # siblings pull at the same clock-aligned slot: one export serves them all, still fresh
 Shard = tuple[dict, dict]  # (metadata, tensors) of one shard
+
+
+class ParamsExport:
+    """The donor's side of a params-only download (a sibling's averaging round): one export of the trainable
+    weights, encoded and signed once, is shared by every request within ``ttl`` seconds, so the siblings that
+    pull at the same slot cost one copy, however many ask. Re-exported when the runtime changed (a move)."""
+
+    def __init__(self, ttl: float = PARAMS_TTL_S):
+        self.ttl = ttl
+        self._chunks: list[swarm_pb2.StateChunk] | None = None
+        self._owner: object = None
+        self._taken_at = 0.0
+        self._lock = asyncio.Lock()
+
+    async def get(self, owner: object, make: Callable[[], Awaitable[list[swarm_pb2.StateChunk]]]):
+        async with self._lock:
+            fresh = self._chunks is not None and self._owner is owner
+            if not fresh or time.monotonic() - self._taken_at > self.ttl:
+                self._chunks, self._owner = None, None  # the old copy goes before the new one is made
+                self._chunks = await make()
+                self._owner, self._taken_at = owner, time.monotonic()
+                asyncio.get_running_loop().call_later(self.ttl + 1.0, self._expire)
+            return self._chunks
+
+    def _expire(self) -> None:
+        if self._chunks is not None and time.monotonic() - self._taken_at > self.ttl:
+            self._chunks, self._owner = None, None
 
 
 class DonorSnapshot:
@@ -75,14 +103,20 @@ async def _download_shard(
     on_chunk: Callable[[int, int], None] | None,
     base: bool = False,
     signers: frozenset[str] | None = None,
+    params_only: bool = False,
+    max_bytes: int | None = None,
 ):
     async with process_security.current().channel(address, channel_options(max_message_mb)) as channel:
         stub = swarm_pb2_grpc.StageStub(channel)
         request = swarm_pb2.DownloadStateRequest(
-            run_id=run_id, stage=stage, shard=shard, num_shards=num_shards, base=base
+            run_id=run_id, stage=stage, shard=shard, num_shards=num_shards, base=base, params_only=params_only
         )
         chunks = []
+        received = 0
         async for chunk in stub.DownloadState(request, timeout=TRANSFER_TIMEOUT_S):
+            received += chunk.ByteSize()
+            if max_bytes is not None and received > max_bytes:  # a donor streaming without end
+                raise StateError(f"{address} sent more than {max_bytes >> 20} MiB, more than this stage's state")
             chunks.append(chunk)
             if on_chunk is not None:
                 on_chunk(chunk.index + 1, chunk.total)
@@ -120,15 +154,21 @@ async def download_state(
     on_progress: Callable[[int, int], None] | None = None,
     base: bool = False,
     signers: dict[str, frozenset[str]] | None = None,
+    params_only: bool = False,
+    max_bytes: int | None = None,
 ) -> StageState:
     """Pull the stage's state split across ``donors`` (addresses); retries a failed shard elsewhere.
     ``base``: the stage's frozen base weights from the run's base checkpoint instead of its state.
+    ``params_only``: the trainable weights alone, in one stream per donor (pass one donor).
+    ``max_bytes``: the most one shard's stream may carry (counted as it arrives).
     Shards from different snapshots are never joined: the whole state is then taken from one donor
     (the newest first), and a donor whose shards still disagree is skipped.
     ``signers``: address -> the peer ids whose signature a shard from there must carry (the DHT's
     signed records say who announced each address); None only for tests and local tools."""
     if not donors:
         raise StateError("no donors to download from")
+    if params_only and len(donors) != 1:
+        raise ValueError("a params-only download comes whole from one donor")
     num_shards = len(donors)
     done_chunks = [0] * num_shards
     totals = [1] * num_shards
@@ -148,7 +188,17 @@ async def download_state(
             try:
                 allowed = None if signers is None else _signers_of(signers, address)
                 got = await _download_shard(
-                    address, run_id, stage, shard, num_shards, max_message_mb, progress(shard), base, allowed
+                    address,
+                    run_id,
+                    stage,
+                    shard,
+                    num_shards,
+                    max_message_mb,
+                    progress(shard),
+                    base,
+                    allowed,
+                    params_only,
+                    max_bytes,
                 )
                 return got, address
             except (grpc.aio.AioRpcError, StateError, ValueError, asyncio.TimeoutError) as e:

@@ -14,6 +14,7 @@ import torch
 
 from swarmpipe.peer.model.lora import is_adapter
 from swarmpipe.peer.optim import build_optimizer
+from swarmpipe.peer.stage.robust_aggregate import flatten, trust_radius
 from swarmpipe.peer.stage.stash import stashed_versions, tensor_bytes
 from swarmpipe.peer.stage.state import StageState, StateError, blend_into, capture, check_params, load_into
 
@@ -38,6 +39,7 @@ class StageWeights:
     stats: RuntimeStats
     stash_bound_bytes: int
     _snapshot: tuple[int, dict[str, torch.Tensor]] | None
+    _anchor: torch.Tensor | None = None  # see set_anchor
 
     def _forget(self, microbatch_id: str) -> None: ...
 
@@ -132,11 +134,44 @@ class StageWeights:
         self.pending.clear()  # forwards on the old weights can no longer be differentiated exactly
         self._snapshot = None  # the next forward must see the new weights
 
-    def blend(self, other: StageState, weight: float = 0.5) -> None:
-        """Average another replica's weights into ours (a drain hand-off): p <- (1 - w) p + w p_other."""
-        blend_into(self.module, other, weight)
+    def blend(self, other: StageState, weight: float = 0.5, radius: float | None = None) -> float:
+        """Average another replica's weights into ours (a drain hand-off): p <- (1 - w) p + w p_other. With
+        ``radius`` (a state pushed by a sibling we do not trust: :meth:`push_radius`) the displacement
+        p_other - p is clipped to it first, and an outlier beyond it has no pull at all
+        (:func:`~swarmpipe.peer.stage.robust_aggregate.clip_scale`). Returns the factor applied (1: not clipped)."""
+        scale = blend_into(self.module, other, weight, radius)
         self.version = max(self.version, other.version)
         self._snapshot = None
+        return scale
+
+    # ---------------------------------------------------------------- where our own movement is measured from
+    def set_anchor(self, vector: torch.Tensor | None = None) -> None:
+        """Measure our own movement from here on: ``vector`` (flat, as :func:`flatten` of :meth:`weights`, e.g. an
+        averaging round's aggregate) or the live weights. Set when serving starts, after each averaging round and
+        after each pushed state: one flat fp32 copy of the trainable weights in host memory."""
+        self._anchor = flatten(self.weights()) if vector is None else vector
+
+    def anchor(self) -> torch.Tensor | None:
+        return self._anchor
+
+    def push_radius(self) -> float:
+        """How far a pushed state may pull our weights: the averaging rounds' tau, from how far our own weights
+        moved since the anchor (at least a floor relative to ||w||). Re-anchor after the push, so pushes one
+        after another (one per sibling, but Sybils are cheap) each get only what we moved in between."""
+        return trust_radius(flatten(self.weights()), self._anchor)
+
+    def export_params(self) -> StageState:
+        """A copy of the trainable weights only (no optimizer state): what a sibling's averaging round pulls."""
+        meta = {
+            "run_id": self.spec.run_id,
+            "stage": self.stage,
+            "version": self.version,
+            "params_only": True,
+            "finetune": self.spec.finetune.method,
+            "base_digest": self.spec.model.base_digest,
+        }
+        tensors = {f"param.{n}": p.detach().to("cpu", torch.float32, copy=True) for n, p in self.trainable().items()}
+        return StageState(tensors, meta)
 
     def weights(self) -> list[torch.Tensor]:
         """Copies of the trainable weights, in parameter order (the averaging round's starting point);

@@ -22,7 +22,7 @@ def test_replica_killed_mid_round(swarm):
     # The trainer runs until the survivors have averaged again (a fixed run time is too short on a loaded machine).
     trainer, report_path = swarm.start_trainer(1_000_000, "--max-time", "240", "--call-timeout", "10")
     wait_step(swarm, 60, trainer)
-    # Wait for a first round of three, then kill a member while the next round is matchmaking.
+    # Wait for a first round of three, then kill a member just before the next round pulls from it.
     wait_for(
         lambda: [e for e in events_of(swarm, "averaged") if e["group_size"] == 3],
         90,

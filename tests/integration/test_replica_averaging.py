@@ -1,4 +1,5 @@
-"""Replicas of a stage average their weights with hivemind's DecentralizedAverager."""
+"""Replicas of a stage average their weights: each pulls its online siblings' weights at clock-aligned rounds and
+takes a robust aggregate (peer/stage/averaging.py); a lone replica has no one to average with."""
 
 from __future__ import annotations
 
