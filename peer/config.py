@@ -126,6 +126,9 @@ class DemoConfig:
     data: str = opt("", "training data (see swarmpipe train --help)")
     tokenizer: str = opt("", "Hugging Face tokenizer folder (default: the run's checkpoint folder)")
     eval_every: int = opt(0, "validation loss every N completed micro-batches and at the end (0: off)")
+    private: bool = opt(
+        False, "run it as a private swarm: a fresh shared token (in the workdir) and TLS for every role"
+    )
     log_level: str = opt("INFO", "logging level")
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import secrets
 import time
 from pathlib import Path
 
@@ -17,6 +18,14 @@ def _latest_progress(swarm: LocalSwarm, offset: int) -> tuple[dict | None, int]:
     return (progress[-1] if progress else None), offset
 
 
+def _private_args(workdir: Path) -> list[str]:
+    """``--private``: a fresh token, readable only by us, that every role of the demo reads; TLS on."""
+    token = workdir / "swarm.token"
+    token.touch(mode=0o600)
+    token.write_text(secrets.token_hex(32) + "\n")
+    return ["--auth-token-file", str(token), "--tls"]
+
+
 def run_demo(cfg: DemoConfig) -> int:
     from tqdm import tqdm
 
@@ -29,6 +38,7 @@ def run_demo(cfg: DemoConfig) -> int:
         f"swarmpipe demo: {cfg.num_stages} stages x {cfg.replicas} replica(s), {cfg.steps} micro-batches; logs in {workdir}"
     )
     started = time.monotonic()
+    private = _private_args(workdir) if cfg.private else []  # the same token and TLS for every role
     try:
         # --run-id and --num-stages override a given spec's, as they do the built-in one.
         swarm.start_coordinator(
@@ -37,19 +47,20 @@ def run_demo(cfg: DemoConfig) -> int:
             "demo",
             "--num-stages",
             str(cfg.num_stages),
+            *private,
             http_port=cfg.http_port,
             timeout=60,
         )
         print(f"coordinator up: {swarm.maddr}\ndashboard: {swarm.url}/")
         peers = [
-            swarm.start_peer(stage, wait=False, name=f"peer-s{stage}-r{replica}")
+            swarm.start_peer(stage, *private, wait=False, name=f"peer-s{stage}-r{replica}")
             for stage in range(cfg.num_stages)
             for replica in range(cfg.replicas)
         ]
         for peer in peers:
             swarm.wait_ready(peer, timeout=120)
         print(f"{len(peers)} peers serving; training")
-        trainer_args = ["--data", cfg.data] if cfg.data else []
+        trainer_args = private + (["--data", cfg.data] if cfg.data else [])
         trainer_args += ["--tokenizer", cfg.tokenizer] if cfg.tokenizer else []
         trainer_args += ["--eval-every", str(cfg.eval_every)] if cfg.eval_every else []
         trainer, report_path = swarm.start_trainer(cfg.steps, *trainer_args, report=workdir / "report.json")
