@@ -6,11 +6,15 @@ joins, loads state, averages and announces like any other; only the tensors it r
 (validation, a second opinion, verification probes) get honest answers, as a careful attacker would give.
 
 MODE: ``noise`` (adds Gaussian noise as large as the tensor), ``flip`` (negates it), ``scale`` (x10).
+
+In a container (the Compose suite): mount this file as ``sitecustomize.py`` on ``PYTHONPATH`` and set
+``SWARMPIPE_TEST_BYZANTINE=MODE``; every Python process there then starts patched.
 """
 
 from __future__ import annotations
 
 import contextvars
+import os
 import sys
 
 import torch
@@ -63,3 +67,5 @@ def main(argv: list[str]) -> int:
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))
+elif __name__ == "sitecustomize" and os.environ.get("SWARMPIPE_TEST_BYZANTINE"):
+    install(os.environ["SWARMPIPE_TEST_BYZANTINE"])

@@ -116,7 +116,7 @@ class MicrobatchRunner:
                     stage,
                     lambda v, s=stage: self.calls.forward(v, s, mb_id, inputs[s]),
                     journey,
-                    check=lambda v, y, s=stage: self._check_output(v, s, inputs[s], y),
+                    check=lambda v, y, s=stage: self._check_output(v, s, inputs[s], y, mb_id),
                 )
                 inputs.append(out)
                 peers.append(view)
@@ -124,7 +124,7 @@ class MicrobatchRunner:
                 P - 1,
                 lambda v: self.calls.forward_backward(v, P - 1, mb_id, inputs[P - 1], targets),
                 journey,
-                check=lambda v, r: self._check_gradient(v, P - 1, inputs[P - 1], r[1], None, targets, r[0]),
+                check=lambda v, r: self._check_gradient(v, P - 1, inputs[P - 1], r[1], None, targets, r[0], mb_id),
             )
             if dropped:
                 journey.stale_stages.append(P - 1)
@@ -183,7 +183,7 @@ class MicrobatchRunner:
         try:
             self.router.started(view)
             result = await self._timed(view, self.calls.backward(view, stage, mb_id, grad, None))
-            await self._check_gradient(view, stage, inputs, result[0], grad)
+            await self._check_gradient(view, stage, inputs, result[0], grad, mb_id=mb_id)
             return result
         except (grpc.aio.AioRpcError, asyncio.TimeoutError, WireError) as e:
             reason = _reason(e)
@@ -201,14 +201,14 @@ class MicrobatchRunner:
             stage,
             lambda v: self.calls.backward(v, stage, mb_id, grad, inputs),
             journey,
-            check=lambda v, r: self._check_gradient(v, stage, inputs, r[0], grad),
+            check=lambda v, r: self._check_gradient(v, stage, inputs, r[0], grad, mb_id=mb_id),
         )
         return grad_in, dropped
 
     # ------------------------------------------------------------ verification
-    async def _check_output(self, view: PeerView, stage: int, x: torch.Tensor, y: torch.Tensor) -> None:
+    async def _check_output(self, view: PeerView, stage: int, x: torch.Tensor, y: torch.Tensor, mb_id: str) -> None:
         if self.verifier.sampled():
-            await self.verifier.check_output(view, stage, x, y)
+            await self.verifier.check_output(view, stage, x, y, mb_id)
 
     async def _check_gradient(
         self,
@@ -219,9 +219,10 @@ class MicrobatchRunner:
         grad_output: torch.Tensor | None,
         targets: torch.Tensor | None = None,
         loss: float | None = None,
+        mb_id: str = "",
     ) -> None:
         if grad_input is not None and self.verifier.sampled():
-            await self.verifier.check_gradient(view, stage, x, grad_input, grad_output, targets, loss)
+            await self.verifier.check_gradient(view, stage, x, grad_input, grad_output, targets, loss, mb_id)
 
     # ------------------------------------------------------------ retries
     async def _with_retries(

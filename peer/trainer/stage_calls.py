@@ -53,6 +53,8 @@ class StageCalls:
         self.guards: dict[tuple[str, int], NormGuard] = {}
         # peer id -> the newest weight version it answered with (verification judges only answers close in version)
         self.versions: dict[str, int] = {}
+        # (peer id, micro-batch id) -> the version a training call was answered at (a check reads it at once)
+        self.answered: dict[tuple[str, str], int] = {}
 
     async def close(self) -> None:
         await self.pool.close()
@@ -74,6 +76,9 @@ class StageCalls:
             timed.nbytes = request.ByteSize() + sent + response.ByteSize()
         if len(self.versions) < 100_000 or view.peer_id in self.versions:  # bounded however many peers lie
             self.versions[view.peer_id] = max(response.version, self.versions.get(view.peer_id, 0))
+        self.answered[(view.peer_id, request.microbatch_id)] = response.version
+        while len(self.answered) > 10_000:  # the oldest first: a check reads its entry right after the call
+            self.answered.pop(next(iter(self.answered)))
         return response
 
     def ticket(self, mb_id: str) -> bytes:

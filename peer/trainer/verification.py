@@ -107,6 +107,7 @@ def relative_difference(a: torch.Tensor, b: torch.Tensor) -> float:
 class VerifierStats:
     checks: int = 0  # judged
     skipped: int = 0  # the replica's weights moved too far between its answer and the check
+    graced: int = 0  # failures logged, not counted: the trainer's first checks of a stage
     disputes: int = 0
     strikes: int = 0
     inconclusive: int = 0
@@ -123,6 +124,7 @@ class ReplicaVerifier:
         ban_after: int = 2,
         ban_s: float = 3600.0,
         rng: random.Random | None = None,
+        grace: int = 20,
     ):
         self.spec = spec
         self.calls = calls
@@ -137,16 +139,18 @@ class ReplicaVerifier:
         self.banned: dict[str, str] = {}  # peer id -> why, newest last
         self.stats = VerifierStats()
         self.skips: dict[str, list[int]] = {}  # peer id -> [checks attempted, skipped]
+        self.grace = grace
+        self.judged = [0] * spec.num_stages  # checks judged per stage (the grace period counts these)
         self._ids = itertools.count()
 
     def sampled(self) -> bool:
         return self.fraction > 0 and self.rng.random() < self.fraction
 
     # ------------------------------------------------------------ outputs
-    async def check_output(self, view: PeerView, stage: int, x: torch.Tensor, y: torch.Tensor) -> None:
+    async def check_output(self, view: PeerView, stage: int, x: torch.Tensor, y: torch.Tensor, mb_id: str = "") -> None:
         """Compare ``view``'s output ``y`` with its own forward-only answer and with other replicas'; raises
         ``Disputed`` when ``view`` lied."""
-        before = self._version(view)
+        before = self._version(view, mb_id)
         again = await self._answer(view, stage, x)
         if again is None:  # no answer: the next call will find out; not a lie
             return
@@ -156,8 +160,8 @@ class ReplicaVerifier:
         if difference > SELF_CONSISTENCY:
             self.stats.disputes += 1
             reason = f"its training output differs from its own forward-only answer by {difference:.3g}"
-            self.strike(view, stage, reason)
-            raise Disputed(f"stage {stage} output failed verification: {reason}")
+            if self.strike(view, stage, reason):
+                raise Disputed(f"stage {stage} output failed verification: {reason}")
         others = [v for v in self.router.available(stage, exclude={view.peer_id})]
         self.rng.shuffle(others)
         if not others:
@@ -174,8 +178,8 @@ class ReplicaVerifier:
         third = await self._answer(others[1], stage, x) if len(others) > 1 else None
         limit = tolerance.limit()
         if third is not None and relative_difference(second, third) <= limit < relative_difference(y, third):
-            self.strike(view, stage, f"{detail}; two other replicas agree with each other")
-            raise Disputed(f"stage {stage} output failed verification: outvoted by two replicas")
+            if self.strike(view, stage, f"{detail}; two other replicas agree with each other"):
+                raise Disputed(f"stage {stage} output failed verification: outvoted by two replicas")
         if third is not None and relative_difference(y, third) <= limit < relative_difference(second, third):
             self.strike(others[0], stage, f"{detail}; it alone disagrees with two replicas")
             return
@@ -207,6 +211,7 @@ class ReplicaVerifier:
         grad_output: torch.Tensor | None = None,
         targets: torch.Tensor | None = None,
         loss: float | None = None,
+        mb_id: str = "",
     ) -> None:
         """Probe ``view``'s function around ``x`` and check the slope its ``grad_input`` claims (and, on the last
         stage, its ``loss``); raises ``Disputed`` when they disagree."""
@@ -215,7 +220,7 @@ class ReplicaVerifier:
             return
         step = PROBE_STEP * float(x.norm())
         direction = grad_input / norm
-        before = self._version(view)
+        before = self._version(view, mb_id)
         try:
             above, below = await self._probe(view, stage, x, step * direction, grad_output, targets)
         except Exception:  # it did not answer (or the logits would be too large): no verdict
@@ -231,8 +236,8 @@ class ReplicaVerifier:
             problems.append(f"reported loss {loss:.4g}, its function gives {middle:.4g}")
         if problems:
             self.stats.disputes += 1
-            self.strike(view, stage, "; ".join(problems))
-            raise Disputed(f"stage {stage} gradient failed verification: {problems[0]}")
+            if self.strike(view, stage, "; ".join(problems)):
+                raise Disputed(f"stage {stage} gradient failed verification: {problems[0]}")
 
     async def _probe(
         self,
@@ -254,8 +259,10 @@ class ReplicaVerifier:
         return float((y[:rows].double() * g).sum()), float((y[rows:].double() * g).sum())
 
     # ------------------------------------------------------------ versions
-    def _version(self, view: PeerView) -> int:
-        return self.calls.versions.get(view.peer_id, 0)
+    def _version(self, view: PeerView, mb_id: str = "") -> int:
+        """The version ``view`` answered ``mb_id``'s training call at (else the newest it answered with)."""
+        newest = self.calls.versions.get(view.peer_id, 0)
+        return self.calls.answered.pop((view.peer_id, mb_id), newest) if mb_id else newest
 
     def _comparable(self, view: PeerView, stage: int, before: int) -> bool:
         """Whether the check's answer came from weights close enough to the training answer's to judge it: at
@@ -265,17 +272,34 @@ class ReplicaVerifier:
         record[0] += 1
         if self._version(view) - before <= MAX_VERSION_GAP:
             self.stats.checks += 1
+            self.judged[stage] += 1
             return True
         record[1] += 1
         self.stats.skipped += 1
         attempts, skipped = record
         if attempts >= UNVERIFIABLE_AFTER and skipped > UNVERIFIABLE_SHARE * attempts:
             record[:] = [0, 0]
-            self.strike(view, stage, f"{skipped} of {attempts} checks found its weights too far moved to judge")
+            reason = f"{skipped} of {attempts} checks found its weights too far moved to judge"
+            self.strike(view, stage, reason, graceable=False)  # always skipping must not keep it in grace
         return False
 
     # ------------------------------------------------------------ verdicts
-    def strike(self, view: PeerView, stage: int, reason: str) -> None:
+    def strike(self, view: PeerView, stage: int, reason: str, graceable: bool = True) -> bool:
+        """Count a failed check against ``view``; False while this trainer is still in its grace period for
+        ``stage`` (its first ``grace`` judged checks there: a young run's stages move so fast between an answer
+        and its check that honest replicas failed a few), when the failure is only logged."""
+        if graceable and self.judged[stage] <= self.grace:
+            self.stats.graced += 1
+            self.events.emit(
+                "verification_failed",
+                level=logging.INFO,
+                stage=stage,
+                peer=short_id(view.peer_id),
+                strikes=self.strikes.get(view.peer_id, 0),
+                grace=True,
+                reason=reason[:300],
+            )
+            return False
         self.stats.strikes += 1
         count = self.strikes[view.peer_id] = self.strikes.get(view.peer_id, 0) + 1
         self.events.emit(
@@ -294,6 +318,7 @@ class ReplicaVerifier:
             self.events.emit(
                 "replica_banned", level=logging.WARNING, stage=stage, peer=short_id(view.peer_id), strikes=count
             )
+        return True
 
     def _id(self) -> str:
         return f"verify-{next(self._ids)}"

@@ -300,6 +300,26 @@ class Stack:
             raise HarnessError(f"no new {service} container appeared")
         return new[0]
 
+    def add_byzantine(self, service: str, mode: str) -> str:
+        """A replica of ``service`` that lies (tests/byzantine_peer.py mounted as sitecustomize: every Python
+        process in it starts patched). A one-off container of the project: ``down`` removes it too."""
+        script = Path(__file__).resolve().parents[1] / "byzantine_peer.py"
+        r = self.compose(
+            "run",
+            "-d",
+            "--no-deps",
+            "-e",
+            f"SWARMPIPE_TEST_BYZANTINE={mode}",
+            "-e",
+            "PYTHONPATH=/opt/byzantine",
+            "-v",
+            f"{script}:/opt/byzantine/sitecustomize.py:ro",
+            service,
+            timeout=120,
+        )
+        name = r.stdout.strip().splitlines()[-1]
+        return sh(["docker", "inspect", "-f", "{{.Id}}", name]).stdout.strip()
+
     def down(self) -> None:
         if self.monitor is not None:
             self.monitor.stop()

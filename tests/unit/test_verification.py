@@ -40,6 +40,7 @@ class Replicas:
         self.peers: dict[str, tuple[StageRuntime, Corrupt, Corrupt]] = {}
         self.calls: list[tuple[str, str, bool]] = []
         self.versions: dict[str, int] = {}  # StageCalls': the newest version each peer answered with
+        self.answered: dict[tuple[str, str], int] = {}
 
     def add(self, peer_id: str, stage: int, training: Corrupt = HONEST, probes: Corrupt = HONEST) -> None:
         self.peers[peer_id] = (StageRuntime(self.spec, stage), training, probes)
@@ -78,7 +79,7 @@ def setup(stage0: dict[str, tuple[Corrupt, Corrupt]], stage1: dict[str, tuple[Co
         for pid, (training, probes) in group.items():
             replicas.add(pid, stage, training, probes)
     router = replicas.router()
-    verifier = ReplicaVerifier(spec, replicas, router, EventLog("", "trainer", "t"), 1.0, ban_after=ban_after)
+    verifier = ReplicaVerifier(spec, replicas, router, EventLog("", "trainer", "t"), 1.0, ban_after=ban_after, grace=0)
     return spec, replicas, router, verifier
 
 
@@ -147,7 +148,7 @@ async def test_an_intermediate_gradient_is_probed_through_the_output_gradient() 
     replicas.add("m", 1)
     replicas.add("z", 2)
     router = replicas.router()
-    verifier = ReplicaVerifier(spec, replicas, router, EventLog("", "trainer", "t"), 1.0)
+    verifier = ReplicaVerifier(spec, replicas, router, EventLog("", "trainer", "t"), 1.0, grace=0)
     tokens, targets = batch(spec)
     x0 = replicas.peers["a"][0].evaluate(tokens)
     middle = replicas.peers["m"][0]
@@ -239,3 +240,16 @@ async def test_a_check_is_judged_only_when_the_weights_barely_moved_and_endless_
     assert verifier.stats.skipped == 29 and verifier.strikes == {}
     await verifier.check_output(view, 0, tokens, y)
     assert verifier.strikes == {"a": 1}, "a replica whose checks always skip is struck as unverifiable"
+
+
+async def test_a_trainers_first_checks_of_a_stage_only_log_their_failures() -> None:
+    spec, replicas, router, verifier = setup({"a": (NOISE, HONEST)}, {"z": (HONEST, HONEST)})
+    verifier.grace = 2
+    tokens, _ = batch(spec)
+    view = router.peers["a"]
+    y = await replicas.forward(view, 0, "mb", tokens)
+    for _ in range(2):
+        await verifier.check_output(view, 0, tokens, y)  # a young run moves fast: no verdict yet
+    assert verifier.strikes == {} and verifier.stats.graced == 2
+    with pytest.raises(Disputed):
+        await verifier.check_output(view, 0, tokens, y)
