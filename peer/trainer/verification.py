@@ -218,26 +218,30 @@ class ReplicaVerifier:
         norm = float(grad_input.norm())
         if not math.isfinite(norm) or norm == 0.0:
             return
-        step = PROBE_STEP * float(x.norm())
         direction = grad_input / norm
         before = self._version(view, mb_id)
-        try:
-            above, below = await self._probe(view, stage, x, step * direction, grad_output, targets)
-        except Exception:  # it did not answer (or the logits would be too large): no verdict
-            return
-        if not self._comparable(view, stage, before):
-            return
-        slope = (above - below) / (2 * step)
-        problems = []
-        if not SLOPE_BAND[0] * norm <= slope <= SLOPE_BAND[1] * norm:
-            problems.append(f"gradient claims slope {norm:.4g}, its function shows {slope:.4g}")
-        middle = 0.5 * (above + below)
-        if loss is not None and abs(loss - middle) > LOSS_TOLERANCE * max(abs(loss), abs(middle)) + 0.05:
-            problems.append(f"reported loss {loss:.4g}, its function gives {middle:.4g}")
-        if problems:
-            self.stats.disputes += 1
-            if self.strike(view, stage, "; ".join(problems)):
-                raise Disputed(f"stage {stage} gradient failed verification: {problems[0]}")
+        problems: list[str] = []
+        for step in (PROBE_STEP * float(x.norm()), 0.1 * PROBE_STEP * float(x.norm())):
+            try:
+                above, below = await self._probe(view, stage, x, step * direction, grad_output, targets)
+            except Exception:  # it did not answer (or the logits would be too large): no verdict
+                return
+            if not self._comparable(view, stage, before):
+                return
+            slope = (above - below) / (2 * step)
+            problems = []
+            if not SLOPE_BAND[0] * norm <= slope <= SLOPE_BAND[1] * norm:
+                problems.append(f"gradient claims slope {norm:.4g}, its function shows {slope:.4g}")
+            middle = 0.5 * (above + below)
+            if loss is not None and abs(loss - middle) > LOSS_TOLERANCE * max(abs(loss), abs(middle)) + 0.05:
+                problems.append(f"reported loss {loss:.4g}, its function gives {middle:.4g}")
+            if not problems:
+                return
+            # A second, 10x shorter probe before any verdict: where the function bends sharply (a run whose
+            # inputs were just poisoned) the longer central difference misjudged honest gradients.
+        self.stats.disputes += 1
+        if self.strike(view, stage, "; ".join(problems)):
+            raise Disputed(f"stage {stage} gradient failed verification: {problems[0]}")
 
     async def _probe(
         self,

@@ -29,7 +29,7 @@ TRAINER_ARGS = (
     "--verify-fraction",
     "0.5",
     "--verify-ban-after",
-    "2",
+    "3",
 )
 
 
