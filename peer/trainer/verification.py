@@ -162,7 +162,7 @@ class ReplicaVerifier:
             reason = f"its training output differs from its own forward-only answer by {difference:.3g}"
             if self.strike(view, stage, reason):
                 raise Disputed(f"stage {stage} output failed verification: {reason}")
-        others = [v for v in self.router.available(stage, exclude={view.peer_id})]
+        others = self.router.available(stage, exclude={view.peer_id})
         self.rng.shuffle(others)
         if not others:
             return
@@ -176,13 +176,16 @@ class ReplicaVerifier:
         self.stats.disputes += 1
         detail = f"outputs differ by {difference:.3g} (tolerance {tolerance.limit():.3g})"
         third = await self._answer(others[1], stage, x) if len(others) > 1 else None
-        limit = tolerance.limit()
-        if third is not None and relative_difference(second, third) <= limit < relative_difference(y, third):
-            if self.strike(view, stage, f"{detail}; two other replicas agree with each other"):
-                raise Disputed(f"stage {stage} output failed verification: outvoted by two replicas")
-        if third is not None and relative_difference(y, third) <= limit < relative_difference(second, third):
-            self.strike(others[0], stage, f"{detail}; it alone disagrees with two replicas")
-            return
+        if third is not None:
+            limit = tolerance.limit()
+            ours, theirs = relative_difference(y, third), relative_difference(second, third)
+            if theirs <= limit < ours:
+                if self.strike(view, stage, f"{detail}; two other replicas agree with each other"):
+                    raise Disputed(f"stage {stage} output failed verification: outvoted by two replicas")
+                return  # graced: logged, and not an honest spread to learn
+            if ours <= limit < theirs:
+                self.strike(others[0], stage, f"{detail}; it alone disagrees with two replicas")
+                return
         # Two replicas, or three that all differ: honest replicas drift apart between averaging rounds, and
         # nothing here says who is right. Learn the spread; say so.
         self.stats.inconclusive += 1
@@ -221,12 +224,13 @@ class ReplicaVerifier:
         direction = grad_input / norm
         before = self._version(view, mb_id)
         problems: list[str] = []
-        for step in (PROBE_STEP * float(x.norm()), 0.1 * PROBE_STEP * float(x.norm())):
+        for attempt, step in enumerate((PROBE_STEP * float(x.norm()), 0.1 * PROBE_STEP * float(x.norm()))):
             try:
                 above, below = await self._probe(view, stage, x, step * direction, grad_output, targets)
             except Exception:  # it did not answer (or the logits would be too large): no verdict
                 return
-            if not self._comparable(view, stage, before):
+            # the shorter probe is part of the same check: judged (and counted) once
+            if not (self._close(view, before) if attempt else self._comparable(view, stage, before)):
                 return
             slope = (above - below) / (2 * step)
             problems = []
@@ -268,13 +272,16 @@ class ReplicaVerifier:
         newest = self.calls.versions.get(view.peer_id, 0)
         return self.calls.answered.pop((view.peer_id, mb_id), newest) if mb_id else newest
 
+    def _close(self, view: PeerView, before: int) -> bool:
+        return self._version(view) - before <= MAX_VERSION_GAP
+
     def _comparable(self, view: PeerView, stage: int, before: int) -> bool:
         """Whether the check's answer came from weights close enough to the training answer's to judge it: at
         most ``MAX_VERSION_GAP`` updates later. A replica whose checks keep landing further (it claims versions
         that race ahead) is struck as unverifiable: skipping must not be a way out."""
         record = self.skips.setdefault(view.peer_id, [0, 0])
         record[0] += 1
-        if self._version(view) - before <= MAX_VERSION_GAP:
+        if self._close(view, before):
             self.stats.checks += 1
             self.judged[stage] += 1
             return True

@@ -301,3 +301,14 @@ async def test_stage_peers_skips_peers_of_another_wire_protocol(ids, caplog: pyt
             assert set(await swarm.stage_peers(0)) == {current.peer_id}
     skipped = [r.getMessage() for r in caplog.records if "wire protocol" in r.getMessage()]
     assert len(skipped) == 2 and any("10.0.0.7:9" in m and f"protocol {WIRE_PROTOCOL + 1}" in m for m in skipped)
+
+
+def test_a_trainers_ban_list_is_bounded_and_holds_peer_ids_only() -> None:
+    """A forged trainer record cannot smuggle long strings or unbounded lists into the coordinator's events."""
+    from swarmpipe.peer.swarm.records import TrainerRecord
+
+    base = {"step": 1, "samples_per_s": 1.0, "updated_at": 1.0}
+    assert TrainerRecord(**base, banned=["QmYwAPJzv5CZsnA"]).banned == ["QmYwAPJzv5CZsnA"]
+    for banned in (["Qm"] * 33, ["x" * 65], ["0OIl"], ["peer id with spaces"], [7]):
+        with pytest.raises(ValidationError):
+            TrainerRecord(**base, banned=banned)

@@ -253,3 +253,14 @@ async def test_a_trainers_first_checks_of_a_stage_only_log_their_failures() -> N
     assert verifier.strikes == {} and verifier.stats.graced == 2
     with pytest.raises(Disputed):
         await verifier.check_output(view, 0, tokens, y)
+
+
+async def test_a_graced_outvote_is_not_learned_as_an_honest_spread() -> None:
+    honest = (HONEST, HONEST)
+    spec, replicas, router, verifier = setup({"a": (NOISE, NOISE), "b": honest, "c": honest}, {"z": honest})
+    verifier.grace = 1
+    tokens, _ = batch(spec)
+    view = router.peers["a"]
+    y = await replicas.forward(view, 0, "mb", tokens)
+    await verifier.check_output(view, 0, tokens, y)  # graced: logged, no strike, no Disputed
+    assert verifier.stats.graced == 1 and verifier.stats.inconclusive == 0 and not verifier.outputs[0].seen
