@@ -207,3 +207,55 @@ class Frame(_message.Message):
     data_bytes: _containers.RepeatedScalarFieldContainer[int]
     data: bytes
     def __init__(self, method: _Optional[str] = ..., header: _Optional[bytes] = ..., data_bytes: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class ReachabilityRequest(_message.Message):
+    __slots__ = ("address", "peer_id", "tls_cert")
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    PEER_ID_FIELD_NUMBER: _ClassVar[int]
+    TLS_CERT_FIELD_NUMBER: _ClassVar[int]
+    address: str
+    peer_id: str
+    tls_cert: str
+    def __init__(self, address: _Optional[str] = ..., peer_id: _Optional[str] = ..., tls_cert: _Optional[str] = ...) -> None: ...
+
+class ReachabilityResponse(_message.Message):
+    __slots__ = ("outcome", "observed_host", "reachable_at", "detail", "checker_id")
+    OUTCOME_FIELD_NUMBER: _ClassVar[int]
+    OBSERVED_HOST_FIELD_NUMBER: _ClassVar[int]
+    REACHABLE_AT_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
+    CHECKER_ID_FIELD_NUMBER: _ClassVar[int]
+    outcome: str
+    observed_host: str
+    reachable_at: str
+    detail: str
+    checker_id: str
+    def __init__(self, outcome: _Optional[str] = ..., observed_host: _Optional[str] = ..., reachable_at: _Optional[str] = ..., detail: _Optional[str] = ..., checker_id: _Optional[str] = ...) -> None: ...
+
+class TunnelUp(_message.Message):
+    __slots__ = ("peer_id", "heartbeat")
+    PEER_ID_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_FIELD_NUMBER: _ClassVar[int]
+    peer_id: str
+    heartbeat: bool
+    def __init__(self, peer_id: _Optional[str] = ..., heartbeat: _Optional[bool] = ...) -> None: ...
+
+class TunnelDown(_message.Message):
+    __slots__ = ("address", "connection", "caller", "heartbeat")
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    CONNECTION_FIELD_NUMBER: _ClassVar[int]
+    CALLER_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_FIELD_NUMBER: _ClassVar[int]
+    address: str
+    connection: int
+    caller: str
+    heartbeat: bool
+    def __init__(self, address: _Optional[str] = ..., connection: _Optional[int] = ..., caller: _Optional[str] = ..., heartbeat: _Optional[bool] = ...) -> None: ...
+
+class RelayChunk(_message.Message):
+    __slots__ = ("connection", "data")
+    CONNECTION_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    connection: int
+    data: bytes
+    def __init__(self, connection: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...

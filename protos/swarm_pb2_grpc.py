@@ -356,3 +356,161 @@ class Stage:
             timeout,
             metadata,
             _registered_method=True)
+
+
+class RelayStub:
+    """Missing associated documentation comment in .proto file."""
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.CheckReachability = channel.unary_unary(
+                '/swarmpipe.Relay/CheckReachability',
+                request_serializer=swarmpipe_dot_protos_dot_swarm__pb2.ReachabilityRequest.SerializeToString,
+                response_deserializer=swarmpipe_dot_protos_dot_swarm__pb2.ReachabilityResponse.FromString,
+                _registered_method=True)
+        self.Tunnel = channel.stream_stream(
+                '/swarmpipe.Relay/Tunnel',
+                request_serializer=swarmpipe_dot_protos_dot_swarm__pb2.TunnelUp.SerializeToString,
+                response_deserializer=swarmpipe_dot_protos_dot_swarm__pb2.TunnelDown.FromString,
+                _registered_method=True)
+        self.Connect = channel.stream_stream(
+                '/swarmpipe.Relay/Connect',
+                request_serializer=swarmpipe_dot_protos_dot_swarm__pb2.RelayChunk.SerializeToString,
+                response_deserializer=swarmpipe_dot_protos_dot_swarm__pb2.RelayChunk.FromString,
+                _registered_method=True)
+
+
+class RelayServicer:
+    """Missing associated documentation comment in .proto file."""
+
+    def CheckReachability(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Tunnel(self, request_iterator, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Connect(self, request_iterator, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_RelayServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'CheckReachability': grpc.unary_unary_rpc_method_handler(
+                    servicer.CheckReachability,
+                    request_deserializer=swarmpipe_dot_protos_dot_swarm__pb2.ReachabilityRequest.FromString,
+                    response_serializer=swarmpipe_dot_protos_dot_swarm__pb2.ReachabilityResponse.SerializeToString,
+            ),
+            'Tunnel': grpc.stream_stream_rpc_method_handler(
+                    servicer.Tunnel,
+                    request_deserializer=swarmpipe_dot_protos_dot_swarm__pb2.TunnelUp.FromString,
+                    response_serializer=swarmpipe_dot_protos_dot_swarm__pb2.TunnelDown.SerializeToString,
+            ),
+            'Connect': grpc.stream_stream_rpc_method_handler(
+                    servicer.Connect,
+                    request_deserializer=swarmpipe_dot_protos_dot_swarm__pb2.RelayChunk.FromString,
+                    response_serializer=swarmpipe_dot_protos_dot_swarm__pb2.RelayChunk.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'swarmpipe.Relay', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('swarmpipe.Relay', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class Relay:
+    """Missing associated documentation comment in .proto file."""
+
+    @staticmethod
+    def CheckReachability(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/swarmpipe.Relay/CheckReachability',
+            swarmpipe_dot_protos_dot_swarm__pb2.ReachabilityRequest.SerializeToString,
+            swarmpipe_dot_protos_dot_swarm__pb2.ReachabilityResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Tunnel(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/swarmpipe.Relay/Tunnel',
+            swarmpipe_dot_protos_dot_swarm__pb2.TunnelUp.SerializeToString,
+            swarmpipe_dot_protos_dot_swarm__pb2.TunnelDown.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Connect(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/swarmpipe.Relay/Connect',
+            swarmpipe_dot_protos_dot_swarm__pb2.RelayChunk.SerializeToString,
+            swarmpipe_dot_protos_dot_swarm__pb2.RelayChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
