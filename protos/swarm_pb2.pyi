@@ -259,3 +259,67 @@ class RelayChunk(_message.Message):
     connection: int
     data: bytes
     def __init__(self, connection: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class ChainHop(_message.Message):
+    __slots__ = ("peer_id", "address")
+    PEER_ID_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    peer_id: str
+    address: str
+    def __init__(self, peer_id: _Optional[str] = ..., address: _Optional[str] = ...) -> None: ...
+
+class ChainCandidates(_message.Message):
+    __slots__ = ("hops",)
+    HOPS_FIELD_NUMBER: _ClassVar[int]
+    hops: _containers.RepeatedCompositeFieldContainer[ChainHop]
+    def __init__(self, hops: _Optional[_Iterable[_Union[ChainHop, _Mapping]]] = ...) -> None: ...
+
+class ChainRequest(_message.Message):
+    __slots__ = ("run_id", "stage", "microbatch_id", "input", "targets", "route", "ticket", "reply_codec", "hop_timeout_s")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    STAGE_FIELD_NUMBER: _ClassVar[int]
+    MICROBATCH_ID_FIELD_NUMBER: _ClassVar[int]
+    INPUT_FIELD_NUMBER: _ClassVar[int]
+    TARGETS_FIELD_NUMBER: _ClassVar[int]
+    ROUTE_FIELD_NUMBER: _ClassVar[int]
+    TICKET_FIELD_NUMBER: _ClassVar[int]
+    REPLY_CODEC_FIELD_NUMBER: _ClassVar[int]
+    HOP_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    stage: int
+    microbatch_id: str
+    input: Tensor
+    targets: Tensor
+    route: _containers.RepeatedCompositeFieldContainer[ChainCandidates]
+    ticket: bytes
+    reply_codec: str
+    hop_timeout_s: float
+    def __init__(self, run_id: _Optional[str] = ..., stage: _Optional[int] = ..., microbatch_id: _Optional[str] = ..., input: _Optional[_Union[Tensor, _Mapping]] = ..., targets: _Optional[_Union[Tensor, _Mapping]] = ..., route: _Optional[_Iterable[_Union[ChainCandidates, _Mapping]]] = ..., ticket: _Optional[bytes] = ..., reply_codec: _Optional[str] = ..., hop_timeout_s: _Optional[float] = ...) -> None: ...
+
+class ChainStageResult(_message.Message):
+    __slots__ = ("stage", "peer_id", "version", "applied", "dropped_reason", "retries")
+    STAGE_FIELD_NUMBER: _ClassVar[int]
+    PEER_ID_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    APPLIED_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_REASON_FIELD_NUMBER: _ClassVar[int]
+    RETRIES_FIELD_NUMBER: _ClassVar[int]
+    stage: int
+    peer_id: str
+    version: int
+    applied: bool
+    dropped_reason: str
+    retries: int
+    def __init__(self, stage: _Optional[int] = ..., peer_id: _Optional[str] = ..., version: _Optional[int] = ..., applied: _Optional[bool] = ..., dropped_reason: _Optional[str] = ..., retries: _Optional[int] = ...) -> None: ...
+
+class ChainResponse(_message.Message):
+    __slots__ = ("loss", "grad_input", "version", "stages")
+    LOSS_FIELD_NUMBER: _ClassVar[int]
+    GRAD_INPUT_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    STAGES_FIELD_NUMBER: _ClassVar[int]
+    loss: float
+    grad_input: Tensor
+    version: int
+    stages: _containers.RepeatedCompositeFieldContainer[ChainStageResult]
+    def __init__(self, loss: _Optional[float] = ..., grad_input: _Optional[_Union[Tensor, _Mapping]] = ..., version: _Optional[int] = ..., stages: _Optional[_Iterable[_Union[ChainStageResult, _Mapping]]] = ...) -> None: ...

@@ -69,6 +69,11 @@ class StageStub:
                 request_serializer=swarmpipe_dot_protos_dot_swarm__pb2.Frame.SerializeToString,
                 response_deserializer=swarmpipe_dot_protos_dot_swarm__pb2.Frame.FromString,
                 _registered_method=True)
+        self.Chain = channel.unary_unary(
+                '/swarmpipe.Stage/Chain',
+                request_serializer=swarmpipe_dot_protos_dot_swarm__pb2.ChainRequest.SerializeToString,
+                response_deserializer=swarmpipe_dot_protos_dot_swarm__pb2.ChainResponse.FromString,
+                _registered_method=True)
 
 
 class StageServicer:
@@ -113,7 +118,14 @@ class StageServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Stream(self, request_iterator, context):
-        """Forward / Backward / ForwardBackward for messages above the streaming threshold.
+        """Forward / Backward / ForwardBackward / Chain for messages above the streaming threshold.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Chain(self, request, context):
+        """A chained micro-batch (messages in the "chained micro-batches" block below).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -156,6 +168,11 @@ def add_StageServicer_to_server(servicer, server):
                     servicer.Stream,
                     request_deserializer=swarmpipe_dot_protos_dot_swarm__pb2.Frame.FromString,
                     response_serializer=swarmpipe_dot_protos_dot_swarm__pb2.Frame.SerializeToString,
+            ),
+            'Chain': grpc.unary_unary_rpc_method_handler(
+                    servicer.Chain,
+                    request_deserializer=swarmpipe_dot_protos_dot_swarm__pb2.ChainRequest.FromString,
+                    response_serializer=swarmpipe_dot_protos_dot_swarm__pb2.ChainResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -347,6 +364,33 @@ class Stage:
             '/swarmpipe.Stage/Stream',
             swarmpipe_dot_protos_dot_swarm__pb2.Frame.SerializeToString,
             swarmpipe_dot_protos_dot_swarm__pb2.Frame.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Chain(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/swarmpipe.Stage/Chain',
+            swarmpipe_dot_protos_dot_swarm__pb2.ChainRequest.SerializeToString,
+            swarmpipe_dot_protos_dot_swarm__pb2.ChainResponse.FromString,
             options,
             channel_credentials,
             insecure,
