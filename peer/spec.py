@@ -103,8 +103,17 @@ class OptimizerSpec:
     # and nesterov switches to its no-stash corrections
     stash: bool = True
     # the delay those corrections assume: formula (P - 1 - k) | measured (running average of the delays the
-    # optimizer is told, set_learning_rate(..., delay=)); the stage runtime does not pass them yet
+    # stage measures for each gradient it applies, told to the optimizer at every step)
     delay_source: str = "formula"
+    # within one step (update.step_every > 1) each gradient weighted (1 + delay) ** -power, normalised (0: the mean)
+    delay_weight_power: float = 0.0
+    # basis_rotation with stashing: gradient += lambda * (curvature its preconditioner implies) * (live - stashed
+    # weights), in the eigenbasis, the correction's norm capped at compensation_cap x the gradient's (0: off)
+    delay_compensation: float = 0.0
+    compensation_cap: float = 1.0
+    # basis_rotation: a matrix side longer than this keeps the identity basis (no m x m factors: bounds the
+    # state at 2mn + 2 min(m, n)^2 for very wide matrices); 0: rotate every side
+    rotation_max_dim: int = 0
 
 
 @dataclass
@@ -235,6 +244,12 @@ class RunSpec:
             raise SpecError(
                 f"optimizer.delay_source must be formula or measured, got {str(self.optimizer.delay_source)[:40]!r}"
             )
+        if self.optimizer.delay_compensation > 0 and (
+            self.optimizer.kind != "basis_rotation" or not self.optimizer.stash
+        ):
+            raise SpecError(
+                "optimizer.delay_compensation needs kind = basis_rotation and stash = true (drift of stashed weights)"
+            )
         if self.microbatch_size < 1 or self.update.step_every < 1:
             raise SpecError("microbatch_size and update.step_every must be >= 1")
         p = self.precision
@@ -274,6 +289,12 @@ class RunSpec:
             raise SpecError(f"optimizer: lr must be in [0, {MAX_LR}], betas in [0, 1), eps in (0, 1], clip_norm >= 0")
         if not 0 <= o.weight_decay <= 1 or not 0 <= o.nesterov_beta1 < 1:
             raise SpecError("optimizer: weight_decay must be in [0, 1] and nesterov_beta1 in [0, 1)")
+        if not (0 <= o.delay_weight_power <= 8 and 0 <= o.delay_compensation <= 100 and 0 < o.compensation_cap <= 100):
+            raise SpecError(
+                "optimizer: delay_weight_power must be in [0, 8], delay_compensation in [0, 100], compensation_cap in (0, 100]"
+            )
+        if not 0 <= o.rotation_max_dim <= 1 << 20:
+            raise SpecError(f"optimizer.rotation_max_dim = {o.rotation_max_dim} is outside the sane range 0..{1 << 20}")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -306,7 +327,7 @@ def _build(cls: type, data: dict[str, Any], path: str) -> Any:
                 or len(value) != len(default)
                 or not all(_is_number(v) for v in value)
             ):
-                raise SpecError(f"{where} must be a list of {len(default)} numbers, got {value!r}")
+                raise SpecError(f"{where} must be a list of {len(default)} numbers, got {repr(value)[:60]}")
             kwargs[name] = tuple(float(v) for v in value)
         elif isinstance(default, bool):
             if not isinstance(value, bool):
@@ -315,16 +336,16 @@ def _build(cls: type, data: dict[str, Any], path: str) -> Any:
         elif isinstance(default, (int, float)):
             if not _is_number(value) or (isinstance(default, int) and float(value) != int(value)):
                 raise SpecError(
-                    f"{where} must be a number{' (an integer)' if isinstance(default, int) else ''}, got {value!r}"
+                    f"{where} must be a number{' (an integer)' if isinstance(default, int) else ''}, got {repr(value)[:60]}"
                 )
             kwargs[name] = type(default)(value)
         elif isinstance(default, list) and default and isinstance(default[0], str):
             if not isinstance(value, list) or not all(isinstance(v, str) and 0 < len(v) <= 64 for v in value):
-                raise SpecError(f"{where} must be a list of names, got {value!r}")
+                raise SpecError(f"{where} must be a list of names, got {repr(value)[:60]}")
             kwargs[name] = list(value)
         elif isinstance(default, list):
             if not isinstance(value, list) or not all(_is_number(v) and float(v) == int(v) for v in value):
-                raise SpecError(f"{where} must be a list of integers, got {value!r}")
+                raise SpecError(f"{where} must be a list of integers, got {repr(value)[:60]}")
             kwargs[name] = [int(v) for v in value]
         else:
             if not isinstance(value, str):

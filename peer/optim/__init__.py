@@ -1,15 +1,18 @@
 """Optimizers for asynchronous pipeline stages, selected by the run spec.
 
-The stage runtime calls, for every local update::
+The stage runtime (and the delay simulator) accumulates each accepted gradient with its measured
+delay and stashed weights in a :class:`StepAccumulator` and, for every local update::
 
-    set_learning_rate(optimizer, spec, step, stage, num_stages)
+    inputs = accumulator.finish(params)            # p.grad: the (delay-weighted) mean; delay; drift
+    set_learning_rate(optimizer, spec, step, stage, num_stages, delay=inputs.delay)
     clip_grad_norm_(params, spec.clip_norm)
+    tell_drift(optimizer, inputs)                  # delay compensation (basis_rotation) only
     optimizer.step(); optimizer.zero_grad()
 
-``set_learning_rate(..., delay=d)`` also tells the optimizer the measured delay of the gradient
-it is about to apply; with ``spec.delay_source = "measured"`` the no-stash Nesterov schedules use
-a running average of those (about DELAY_WINDOW steps, kept in the first param group so it
-travels with ``state_dict``) instead of the formula ``P - 1 - k``.
+``set_learning_rate(..., delay=d)`` tells the optimizer the measured delay of the gradient it is
+about to apply; with ``spec.delay_source = "measured"`` the no-stash Nesterov schedules use a
+running average of those (about DELAY_WINDOW steps, kept in the first param group so it travels
+with ``state_dict``) instead of the formula ``P - 1 - k``.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
+from swarmpipe.peer.optim.accumulate import StepAccumulator, StepInputs
 from swarmpipe.peer.optim.basis_rotation import BasisRotationAdam, rotation_param_groups
 from swarmpipe.peer.optim.nesterov import (
     PipelineNesterov,
@@ -57,8 +61,9 @@ def build_optimizer(
       default; ``spec.betas[0]`` is ignored, ``spec.betas[1]`` is beta2). With
       ``spec.stash`` False beta1 moves from ``spec.betas[0]`` towards ``nesterov_beta1`` with the
       stage's delay (:func:`stage_beta1`, the reference code's adaptive momentum).
-    * ``basis_rotation``: :class:`BasisRotationAdam`; attention/MLP matrices rotated,
-      everything else plain AdamW in a second param group.
+    * ``basis_rotation``: :class:`BasisRotationAdam`; attention/MLP matrices rotated (sides up to
+      ``spec.rotation_max_dim``; delay compensation with ``spec.delay_compensation``), everything
+      else plain AdamW in a second param group.
     """
     named = [(n, p) for n, p in named_params if p.requires_grad]
     params = [p for _, p in named]
@@ -84,6 +89,9 @@ def build_optimizer(
             eps=spec.eps,
             weight_decay=spec.weight_decay,
             rotation_every=spec.rotation_every,
+            max_dim=spec.rotation_max_dim,
+            compensation=spec.delay_compensation,
+            compensation_cap=spec.compensation_cap,
         )
     raise ValueError(f"optimizer kind {spec.kind!r} is not available")
 
@@ -135,3 +143,21 @@ def set_learning_rate(
     for group in optimizer.param_groups:
         group["lr"] = lr
     return lr
+
+
+def tell_drift(optimizer: torch.optim.Optimizer, inputs: StepInputs) -> None:
+    """Hand the step's weight drift to an optimizer that compensates delays (basis rotation); others ignore it."""
+    if isinstance(optimizer, BasisRotationAdam):
+        optimizer.set_drift(inputs.drift)
+
+
+__all__ = [
+    "BasisRotationAdam",
+    "PipelineNesterov",
+    "StepAccumulator",
+    "StepInputs",
+    "build_optimizer",
+    "scheduled_lr",
+    "set_learning_rate",
+    "tell_drift",
+]

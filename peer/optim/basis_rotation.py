@@ -35,6 +35,26 @@ eps sits.
 State per m x n matrix: m, v (2mn), L, R and both bases (2m^2 + 2n^2) floats. For the
 bench's block (width 64: qkv 192x64, proj 64x64, fc 256x64, fc_out 64x256) that is
 4.8x AdamW's 2mn; at m = n it is 3x, and it grows with the ratio of the sides.
+``max_dim`` bounds it (``OptimizerSpec.rotation_max_dim``): a side longer than that keeps the
+identity basis and no factor (one-sided rotation), so a 4d x d MLP matrix costs
+``2mn + 2d^2`` instead of ``2mn + 34 d^2`` (bench/optimizer_cost.py).
+
+Delay compensation (issue 16, 3c; ``compensation`` = lambda > 0, with weight stashing): the
+runtime tells the optimizer each matrix's drift ``D = W_live - W_stashed`` (weighted over the
+step's gradients, :mod:`swarmpipe.peer.optim.accumulate`) before the step. A delayed gradient
+was taken at ``W_stashed``; to first order the gradient at the live weights is ``G + H D``. In
+the eigenbasis the Hessian is taken as diagonal, and as the curvature the preconditioner
+implies: the step ``-lr m_hat / d`` with ``d = (sqrt(v) + eps) / sqrt(bc2)`` is a Newton step
+for ``H = d / lr``. So, from the second step on, with ``v`` and ``bc2`` of the previous step
+(before this gradient enters them) and this step's ``lr``::
+
+    C' = lambda * d_prev / lr * (Q_L^T D Q_R)
+    C' <- C' * min(1, cap * ||G'|| / ||C'||)         (cap = ``compensation_cap``)
+    G_c = G + Q_L C' Q_R^T
+
+``G_c`` feeds the first moment; L, R and v keep the raw gradient (the curvature estimate is
+not fed its own correction). Only rotated matrices are compensated; the AdamW group
+(embeddings, norms, head) is not.
 """
 
 from __future__ import annotations
@@ -90,6 +110,9 @@ class BasisRotationAdam(torch.optim.Optimizer):
         rotation_every: int = 10,
         rotate: bool = False,
         init_basis: str = "eigh",
+        max_dim: int = 0,
+        compensation: float = 0.0,
+        compensation_cap: float = 1.0,
     ) -> None:
         if init_basis not in ("eigh", "identity"):
             raise ValueError(f"init_basis must be 'eigh' or 'identity', got {init_basis!r}")
@@ -103,8 +126,12 @@ class BasisRotationAdam(torch.optim.Optimizer):
             rotation_every=rotation_every,
             rotate=rotate,
             init_basis=init_basis,
+            max_dim=max_dim,
+            compensation=compensation,
+            compensation_cap=compensation_cap,
         )
         super().__init__(params, defaults)
+        self._drift: dict[torch.Tensor, torch.Tensor] = {}  # parameter -> live - stashed, for the next step only
         for group in self.param_groups:
             if group["rotate"] and any(p.dim() != 2 for p in group["params"]):
                 raise ValueError("rotate groups may only hold matrices")
@@ -123,7 +150,12 @@ class BasisRotationAdam(torch.optim.Optimizer):
                     self._rotated_step(p, group)
                 else:
                     self._adamw_step(p, group)
+        self._drift = {}
         return loss
+
+    def set_drift(self, drift: dict[torch.Tensor, torch.Tensor]) -> None:
+        """The drift ``W_live - W_stashed`` of the next step's gradients, per parameter (see module docstring)."""
+        self._drift = dict(drift)
 
     def _adamw_step(self, p: torch.Tensor, group: dict[str, Any]) -> None:
         beta1, beta2 = group["betas"]
@@ -149,36 +181,73 @@ class BasisRotationAdam(torch.optim.Optimizer):
         first = not state
         if first:
             m, n = p.shape
+            limit = group.get("max_dim", 0)
             state["step"] = 0.0
             state["exp_avg"] = torch.zeros_like(p)
             state["exp_avg_sq"] = torch.zeros_like(p)  # lives in the rotated space
-            state["gg_left"] = torch.zeros(m, m, dtype=p.dtype, device=p.device)
-            state["gg_right"] = torch.zeros(n, n, dtype=p.dtype, device=p.device)
-            state["q_left"] = torch.eye(m, dtype=p.dtype, device=p.device)
-            state["q_right"] = torch.eye(n, dtype=p.dtype, device=p.device)
+            for side, size in (("left", m), ("right", n)):
+                if not limit or size <= limit:  # a longer side keeps the identity: no factor, no basis
+                    state[f"gg_{side}"] = torch.zeros(size, size, dtype=p.dtype, device=p.device)
+                    state[f"q_{side}"] = torch.eye(size, dtype=p.dtype, device=p.device)
         state["step"] = step = float(state["step"]) + 1.0
-        gg_left, gg_right, v = state["gg_left"], state["gg_right"], state["exp_avg_sq"]
-        gg_left.mul_(beta2).addmm_(grad, grad.T, alpha=1.0 - beta2)
-        gg_right.mul_(beta2).addmm_(grad.T, grad, alpha=1.0 - beta2)
+        v = state["exp_avg_sq"]
+        left, right = "q_left" in state, "q_right" in state
+        if left:
+            state["gg_left"].mul_(beta2).addmm_(grad, grad.T, alpha=1.0 - beta2)
+        if right:
+            state["gg_right"].mul_(beta2).addmm_(grad.T, grad, alpha=1.0 - beta2)
         if first and group["init_basis"] == "eigh":
             # Full decomposition once; afterwards the basis drifts slowly, so one cheap
             # power-iteration step every f steps tracks it.
-            state["q_left"] = _sorted_eigh(gg_left)
-            state["q_right"] = _sorted_eigh(gg_right)
+            for side in ("left", "right"):
+                if f"q_{side}" in state:
+                    state[f"q_{side}"] = _sorted_eigh(state[f"gg_{side}"])
         elif not first and every > 0 and int(step) % every == 0:
-            state["q_left"], order = _power_step(gg_left, state["q_left"])
-            v.copy_(v[order, :])
-            state["q_right"], order = _power_step(gg_right, state["q_right"])
-            v.copy_(v[:, order])
-        q_left, q_right = state["q_left"], state["q_right"]
+            if left:
+                state["q_left"], order = _power_step(state["gg_left"], state["q_left"])
+                v.copy_(v[order, :])
+            if right:
+                state["q_right"], order = _power_step(state["gg_right"], state["q_right"])
+                v.copy_(v[:, order])
+        grad_rot = self._rotate(state, grad)
+        drift = self._drift.get(p)
+        if drift is not None and group.get("compensation", 0.0) > 0 and step > 1 and lr > 0:
+            grad = grad + self._unrotate(state, self._correction(state, group, grad_rot, drift, step))
         p.mul_(1.0 - lr * wd)
         exp_avg = state["exp_avg"].lerp_(grad, 1.0 - beta1)
-        grad_rot = q_left.T @ grad @ q_right
         v.mul_(beta2).addcmul_(grad_rot, grad_rot, value=1.0 - beta2)
         denom = v.sqrt().add_(eps)  # eps before bias correction, as the reference code
-        direction = (q_left.T @ exp_avg @ q_right).div_(denom)
+        direction = self._rotate(state, exp_avg).div_(denom)
         step_size = lr * (1.0 - beta2**step) ** 0.5 / (1.0 - beta1**step)
-        p.add_(q_left @ direction @ q_right.T, alpha=-step_size)
+        p.add_(self._unrotate(state, direction), alpha=-step_size)
+
+    @staticmethod
+    def _correction(
+        state: dict[str, Any], group: dict[str, Any], grad_rot: torch.Tensor, drift: torch.Tensor, step: float
+    ) -> torch.Tensor:
+        """Delay compensation in the eigenbasis (module docstring): lambda d_prev / lr * rotated drift, capped."""
+        beta2 = group["betas"][1]
+        d_prev = (state["exp_avg_sq"].sqrt() + group["eps"]) / (1.0 - beta2 ** (step - 1.0)) ** 0.5
+        corr = BasisRotationAdam._rotate(state, drift.to(grad_rot.dtype)).mul_(d_prev)
+        corr.mul_(group["compensation"] / group["lr"])
+        size, bound = corr.norm(), group["compensation_cap"] * grad_rot.norm()
+        if size > bound:
+            corr.mul_(bound / size)
+        return corr
+
+    @staticmethod
+    def _rotate(state: dict[str, Any], x: torch.Tensor) -> torch.Tensor:
+        """``Q_L^T x Q_R`` (an identity side left out)."""
+        if "q_left" in state:
+            x = state["q_left"].T @ x
+        return x @ state["q_right"] if "q_right" in state else x.clone()
+
+    @staticmethod
+    def _unrotate(state: dict[str, Any], x: torch.Tensor) -> torch.Tensor:
+        """``Q_L x Q_R^T`` (an identity side left out)."""
+        if "q_left" in state:
+            x = state["q_left"] @ x
+        return x @ state["q_right"].T if "q_right" in state else x
 
 
 def rotation_param_groups(named_params: Iterable[tuple[str, torch.nn.Parameter]]) -> list[dict[str, Any]]:

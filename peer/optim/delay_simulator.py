@@ -20,7 +20,11 @@ Modes:
 * ``gpipe``: the synchronous GPipe-equivalent baseline: delays 0 and ``accumulate``
   (default 4) micro-batches averaged per update, so the same samples make fewer,
   larger steps. Warm-up and total steps of the lr schedule are divided by
-  ``accumulate`` so the schedule spans the same samples.
+  ``accumulate`` so the schedule spans the same samples (in every mode).
+
+Every stage accumulates its gradients in a :class:`StepAccumulator` with their delays and
+(stash mode) stashed weights, and steps as the stage runtime does: the (delay-weighted) mean
+gradient, the measured delay told to ``set_learning_rate`` and the drift to the optimizer.
 
 Versions are counted in updates: version u is the stage's weights after u optimizer
 steps. During pipeline fill the version is clamped at 0, as in a real pipeline.
@@ -38,7 +42,7 @@ import torch
 from torch.func import functional_call
 
 from swarmpipe.peer.model.bytegpt import PipelineStage, lm_loss
-from swarmpipe.peer.optim import build_optimizer, set_learning_rate
+from swarmpipe.peer.optim import StepAccumulator, build_optimizer, set_learning_rate, tell_drift
 from swarmpipe.peer.optim.delay_models import DelayModel, FixedDelays, one_f_one_b
 from swarmpipe.peer.spec import RunSpec
 
@@ -94,6 +98,7 @@ class DelaySimulator:
         if mode == "gpipe":
             delays = [0] * P
             accumulate = 4 if accumulate is None else accumulate
+        if (accumulate or 1) > 1:
             opt = spec.optimizer
             spec = dataclasses.replace(
                 spec,
@@ -116,6 +121,7 @@ class DelaySimulator:
         self.optimizers = [
             build_optimizer(s.named_parameters(), spec.optimizer, k, P) for k, s in enumerate(self.stages)
         ]
+        self.accumulators = [StepAccumulator(spec.optimizer) for _ in range(P)]
         self.updates = 0
         self.micro = 0
         # ring[k] holds (version, params) for versions updates - tau_k .. updates.
@@ -156,13 +162,16 @@ class DelaySimulator:
         for k, stage in enumerate(self.stages):
             x = functional_call(stage, leaves[k], (x,))
         loss = lm_loss(x, targets)
-        (loss / self.accumulate).backward()
+        loss.backward()
         for k, stage in enumerate(self.stages):
-            for n, p in stage.named_parameters():
-                g = leaves[k][n].grad
-                p.grad = g if p.grad is None else p.grad + g
+            grads = {n: leaf.grad for n, leaf in leaves[k].items()}
+            self.accumulators[k].add(dict(stage.named_parameters()), grads, self._delay(k), 1, stashed=leaves[k])
             self._observe(k, self.version_for(k), leaves[k], self.version_for(k), leaves[k])
         return float(loss.detach())
+
+    def _delay(self, k: int) -> int:
+        """Stage k's delay for this micro-batch, in updates (pipeline fill: at most the updates so far)."""
+        return min(self.delays[k], self.updates)
 
     def _nostash_pass(self, tokens: torch.Tensor, targets: torch.Tensor) -> float:
         inputs, x = [], tokens
@@ -178,12 +187,15 @@ class DelaySimulator:
             if k > 0:
                 x_in = x_in.detach().requires_grad_()
             out = stage(x_in)
-            if k == self.num_stages - 1:
-                (lm_loss(out, targets) / self.accumulate).backward()
-            else:
-                out.backward(grad_out)
-            grad_out = x_in.grad if k > 0 else None
             live = dict(stage.named_parameters())
+            wrt = ([x_in] if k > 0 else []) + list(live.values())
+            last = k == self.num_stages - 1
+            grads = torch.autograd.grad(
+                lm_loss(out, targets) if last else out, wrt, None if last else grad_out, allow_unused=True
+            )
+            grad_out = grads[0] if k > 0 else None
+            # the gradient is taken at the live weights: no drift to tell
+            self.accumulators[k].add(live, dict(zip(live, grads[1 if k > 0 else 0 :])), self._delay(k), 1)
             self._observe(k, self.version_for(k), self.stashed(k, self.version_for(k)), self.updates, live)
         return loss
 
@@ -194,11 +206,12 @@ class DelaySimulator:
     def _update(self) -> None:
         opt_spec = self.spec.optimizer
         for k, (stage, opt) in enumerate(zip(self.stages, self.optimizers)):
-            # tell the optimizer the delay this gradient really had (pipeline fill: at most the updates so far)
-            delay = min(self.delays[k], self.updates)
-            set_learning_rate(opt, opt_spec, self.updates, k, self.num_stages, delay=delay)
+            # tell the optimizer the delay these gradients really had, and (stash) how far the weights moved since
+            inputs = self.accumulators[k].finish(dict(stage.named_parameters()))
+            set_learning_rate(opt, opt_spec, self.updates, k, self.num_stages, delay=inputs.delay)
             if opt_spec.clip_norm > 0:
                 torch.nn.utils.clip_grad_norm_(stage.parameters(), opt_spec.clip_norm)
+            tell_drift(opt, inputs)
             opt.step()
             opt.zero_grad(set_to_none=True)
         self.updates += 1

@@ -27,7 +27,7 @@ from torch.func import functional_call
 
 from swarmpipe.peer.model import build_stage, has_base_checkpoint, lm_loss
 from swarmpipe.peer.norm_guard import NormGuard
-from swarmpipe.peer.optim import build_optimizer, set_learning_rate
+from swarmpipe.peer.optim import StepAccumulator, build_optimizer, set_learning_rate, tell_drift
 from swarmpipe.peer.spec import RunSpec
 from swarmpipe.peer.stage.device import to_device, to_host
 from swarmpipe.peer.stage.precision import LossScale, resolve_precision
@@ -80,7 +80,7 @@ class StageRuntime(StageWeights):
         self.max_pending = max_pending
         self.stats = RuntimeStats()
         self.gradient_guard = NormGuard()
-        self._accumulated = 0
+        self.accumulator = StepAccumulator(spec.optimizer)  # gradients since the last step, their delays and drift
         self._snapshot: tuple[int, dict[str, torch.Tensor]] | None = None
         self.speed = ThroughputEstimate(spec.microbatch_size)
         self._compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"compute-s{stage}")
@@ -194,7 +194,7 @@ class StageRuntime(StageWeights):
             self.stats.recomputed += len(ids) if group.params is not None else 0
         grad_input, param_grads = self._differentiate(output, grad_output, x, params)
         grad_input = None if grad_input is None else to_host(grad_input.float())
-        shared = self._apply(param_grads, self.stats.steps - group.step, count=len(ids))
+        shared = self._apply(param_grads, self.stats.steps - group.step, count=len(ids), stashed=group.params)
         self._observe(
             time.perf_counter() - started,
             sum(r.stop - r.start for r in rows.values()),
@@ -333,8 +333,11 @@ class StageRuntime(StageWeights):
             return to_host(output.float())
 
     # ---------------------------------------------------------------- updates
-    def _apply(self, grads: dict[str, torch.Tensor | None], delay: int, count: int = 1) -> BackwardResult:
-        """Add the summed gradients of ``count`` micro-batches; step once ``step_every`` have accumulated."""
+    def _apply(
+        self, grads: dict[str, torch.Tensor | None], delay: int, count: int = 1, stashed: dict | None = None
+    ) -> BackwardResult:
+        """Add the summed gradients of ``count`` micro-batches (taken at the ``stashed`` weights, None: the live
+        ones) with their delay; step once ``step_every`` have accumulated."""
         self.stats.backwards += count
         self.stats.delays[delay] += count
         if delay > self.spec.update.max_staleness:
@@ -347,28 +350,21 @@ class StageRuntime(StageWeights):
         if outlier:
             self.stats.dropped_outlier += count
             return BackwardResult(None, delay, False, outlier)
-        for name, p in self.trainable().items():
-            g = grads.get(name)
-            if g is None:
-                continue
-            p.grad = g.detach().clone() if p.grad is None else p.grad.add_(g)
-        self._accumulated += count
-        if self._accumulated >= self.spec.update.step_every:
+        self.accumulator.add(self.trainable(), grads, delay, count, stashed)
+        if self.accumulator.count >= self.spec.update.step_every:
             self._step()
         return BackwardResult(None, delay, True)
 
     def _step(self) -> None:
         opt = self.spec.optimizer
+        inputs = self.accumulator.finish(self.trainable())  # p.grad: the (delay-weighted) mean
         params = [p for p in self.trainable().values() if p.grad is not None]
-        if self._accumulated > 1:
-            for p in params:
-                p.grad.div_(self._accumulated)
-        set_learning_rate(self.optimizer, opt, self.version, self.stage, self.spec.num_stages)
+        set_learning_rate(self.optimizer, opt, self.version, self.stage, self.spec.num_stages, delay=inputs.delay)
         if opt.clip_norm > 0:
             torch.nn.utils.clip_grad_norm_(params, opt.clip_norm)
+        tell_drift(self.optimizer, inputs)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        self._accumulated = 0
         self.version += 1
         self.stats.steps += 1
 

@@ -49,7 +49,7 @@ def test_batched_forward_and_backward_match_accumulated_separate_calls(stage: in
             assert got.grad_input is None
         else:
             torch.testing.assert_close(got.grad_input, want.grad_input, rtol=1e-5, atol=1e-6)
-    assert batched.version == separate.version == 0 and batched._accumulated == separate._accumulated == 2
+    assert batched.version == separate.version == 0 and batched.accumulator.count == separate.accumulator.count == 2
     assert batched.stats.recomputed == 0 and batched.stats.backwards == 2 and not batched.pending
     assert_same_accumulated_gradients(batched, separate)
 
@@ -98,7 +98,7 @@ def test_forward_backward_many_matches_separate_calls() -> None:
     for g, w in zip(got, want):
         assert g.loss == pytest.approx(w.loss, rel=1e-5)
         torch.testing.assert_close(g.grad_input, w.grad_input, rtol=1e-5, atol=1e-6)
-    assert batched._accumulated == separate._accumulated == 2
+    assert batched.accumulator.count == separate.accumulator.count == 2
     assert_same_accumulated_gradients(batched, separate)
 
 
