@@ -295,6 +295,7 @@ class Coordinator:
                 "microbatches_completed": t.microbatches_completed,
                 "microbatches_retried": t.microbatches_retried,
                 "microbatches_lost": t.microbatches_lost,
+                "trainer_bytes_per_microbatch": t.bytes_per_microbatch,
                 "updated_at": t.updated_at,
                 "banned": list(t.banned),
             }

@@ -89,6 +89,11 @@ class TrainerConfig(CommonConfig):
     eval_every: int = opt(0, "validation loss after every N completed micro-batches and at the end (0: off)")
     eval_batches: int = opt(4, "held-out micro-batches in the validation set")
     call_timeout: float = opt(30.0, "deadline for each stage call, seconds")
+    route: str = opt(
+        "hub",
+        "how a micro-batch travels: chain (peer to peer; the trainer sends tokens, gets the loss) | hub (every hop "
+        "through the trainer); also `route` in a --config file's [transport] table",
+    )
     verify_fraction: float = opt(
         0.05,
         "Byzantine checks: fraction of micro-batches per stage whose output is recomputed on a second replica "

@@ -129,6 +129,7 @@ class PeerDaemon:
         # shards we serve are signed by us; pushed state is taken only from our stage's announced replicas
         self.servicer.identity = self.swarm.identity
         self.servicer.stage_members = lambda: self.swarm.stage_peers(self.servicer.runtime.stage)
+        self.servicer.chain_members = self.swarm.stage_peers  # the only hops a chained call may dial
         self.servicer.on_state_pushed = lambda state: self.events.emit(
             "state_received",
             from_version=state.version,

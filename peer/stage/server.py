@@ -10,9 +10,8 @@ Error contract (status code: when):
 The peer keeps serving after any of them. Request bytes that do not decode are INVALID_ARGUMENT too,
 before any work; a status detail is short (a caller's strings cut), and a refused request is logged at
 most once per caller per 10 s, never with a traceback (peer/stage/error_contract.py).
-
-Forward and ForwardBackward with ``evaluate`` set are validation: forward-only on the live weights, on
-the compute thread, no batching; nothing is kept (a Backward for that id is NOT_FOUND) and nothing steps.
+Forward / ForwardBackward with ``evaluate``: validation on the live weights, no batching, nothing kept (a Backward
+for that id is NOT_FOUND), nothing stepped. ``Chain`` (micro-batches passed peer to peer): chain_rpc.py.
 """
 
 from __future__ import annotations
@@ -26,6 +25,7 @@ from typing import Any
 import grpc
 import torch
 
+from swarmpipe.peer.stage.chain_rpc import ChainRPCs
 from swarmpipe.peer.stage.coalescer import Coalescer
 from swarmpipe.peer.stage.device import device_info, memory_in_use
 from swarmpipe.peer.stage.error_contract import Rejections, caller_key, generated_handlers, guard_handlers, short
@@ -59,7 +59,7 @@ MAX_CONCURRENT_RPCS = 512  # beyond this grpc answers RESOURCE_EXHAUSTED: memory
 log = logging.getLogger("swarmpipe.server")
 
 
-class StageServicer(StateRPCs, swarm_pb2_grpc.StageServicer):
+class StageServicer(StateRPCs, ChainRPCs, swarm_pb2_grpc.StageServicer):
     def __init__(
         self,
         runtime: StageRuntime,

@@ -105,6 +105,8 @@ class TrainerRecord(Record):
     microbatches_lost: int = Field(ge=0, le=MAX_VERSION, default=0)
     val_loss: float | None = Field(default=None, ge=0, le=MAX_VAL_LOSS, allow_inf_nan=False)  # newest validation
     updated_at: float
+    # bytes the trainer sent and received per micro-batch ended (hub: every activation twice; chain: tokens, loss)
+    bytes_per_microbatch: float = Field(default=0.0, ge=0, le=1e12, allow_inf_nan=False)
     # peers this trainer banned because their answers failed verification (peer/trainer/verification.py)
     banned: list[Annotated[str, StringConstraints(pattern=_PEER_ID)]] = Field(default_factory=list, max_length=32)
 

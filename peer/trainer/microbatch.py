@@ -16,6 +16,7 @@ a fresh read of the DHT.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import enum
 import logging
 import time
@@ -28,10 +29,12 @@ import torch
 
 from swarmpipe.peer.events import EventLog, short_id
 from swarmpipe.peer.spec import RunSpec
+from swarmpipe.peer.trainer.chain import ChainCalls
 from swarmpipe.peer.trainer.routing import PeerView
 from swarmpipe.peer.trainer.stage_calls import StageCalls
 from swarmpipe.peer.trainer.swarm_view import SwarmView
 from swarmpipe.peer.trainer.verification import ReplicaVerifier
+from swarmpipe.peer.transport.chain_protocol import ChainBroken
 from swarmpipe.peer.transport.wire import WireError
 
 log = logging.getLogger("swarmpipe.trainer")
@@ -42,6 +45,8 @@ CALLER_ERRORS = (grpc.StatusCode.INVALID_ARGUMENT,)
 MOVED = grpc.StatusCode.FAILED_PRECONDITION
 WAIT_LOG_PERIOD_S = 10.0
 T = TypeVar("T")
+# Set in a micro-batch's own task: it goes the hub way and every stage's answer is verified (chain mode's sample).
+_VERIFY_ALL: contextvars.ContextVar[bool] = contextvars.ContextVar("verify_all", default=False)
 
 
 class NoReplica(RuntimeError):
@@ -87,6 +92,7 @@ class MicrobatchRunner:
         wait_timeout: float,
         verify_fraction: float = 0.0,
         ban_after: int = 2,
+        route: str = "hub",
     ):
         self.spec = spec
         self.view = view
@@ -96,6 +102,8 @@ class MicrobatchRunner:
         self.wait_timeout = wait_timeout
         self.calls = StageCalls(spec, call_timeout)
         self.verifier = ReplicaVerifier(spec, self.calls, self.router, events, verify_fraction, ban_after)
+        # route "chain": activations pass peer to peer (peer/trainer/chain.py); "hub": every hop through us
+        self.chain = ChainCalls(spec, self.calls, self.router, events, call_timeout) if route == "chain" else None
         self._waiting_since: dict[int, float] = {}
         self._evaluations = 0
 
@@ -105,30 +113,64 @@ class MicrobatchRunner:
     # ------------------------------------------------------------ the journey
     async def run(self, mb_id: str, tokens: torch.Tensor, targets: torch.Tensor) -> MicrobatchOutcome:
         """Take one micro-batch through every stage and back. Never raises for a micro-batch's own failure:
-        that is an outcome; only a bug or cancellation escapes."""
+        that is an outcome; only a bug or cancellation escapes. Chain mode: chained from stage 0 (or past the
+        hops relayed for now); a micro-batch sampled for verification goes the hub way, every stage checked."""
+        if self.chain is not None and not self.verifier.sampled():
+            return await self._journey(mb_id, tokens, targets, self.chain.start_stage())
+        token = _VERIFY_ALL.set(self.chain is not None)
+        try:
+            return await self._journey(mb_id, tokens, targets, None)
+        finally:
+            _VERIFY_ALL.reset(token)
+
+    async def _journey(
+        self, mb_id: str, tokens: torch.Tensor, targets: torch.Tensor, chain_at: int | None
+    ) -> MicrobatchOutcome:
+        """Hub forwards up to ``chain_at`` (all but the last stage when None), a chained call from there (a
+        ForwardBackward when None), hub backwards. A chain that breaks at stage b goes on from b the same way."""
         P = self.spec.num_stages
         journey = Journey()
         inputs: list[torch.Tensor] = [tokens]
         peers: list[PeerView] = []
         try:
-            for stage in range(P - 1):
-                out, view = await self._with_retries(
-                    stage,
-                    lambda v, s=stage: self.calls.forward(v, s, mb_id, inputs[s]),
-                    journey,
-                    check=lambda v, y, s=stage: self._check_output(v, s, inputs[s], y, mb_id),
-                )
-                inputs.append(out)
-                peers.append(view)
-            (loss, grad, dropped), _ = await self._with_retries(
-                P - 1,
-                lambda v: self.calls.forward_backward(v, P - 1, mb_id, inputs[P - 1], targets),
-                journey,
-                check=lambda v, r: self._check_gradient(v, P - 1, inputs[P - 1], r[1], None, targets, r[0], mb_id),
-            )
-            if dropped:
-                journey.stale_stages.append(P - 1)
-            for stage in range(P - 2, -1, -1):
+            while True:
+                for stage in range(len(peers), P - 1 if chain_at is None else chain_at):
+                    out, view = await self._with_retries(
+                        stage,
+                        lambda v, s=stage: self.calls.forward(v, s, mb_id, inputs[s]),
+                        journey,
+                        check=lambda v, y, s=stage: self._check_output(v, s, inputs[s], y, mb_id),
+                    )
+                    inputs.append(out)
+                    peers.append(view)
+                if chain_at is None:
+                    (loss, grad, dropped), _ = await self._with_retries(
+                        P - 1,
+                        lambda v: self.calls.forward_backward(v, P - 1, mb_id, inputs[P - 1], targets),
+                        journey,
+                        check=lambda v, r: self._check_gradient(
+                            v, P - 1, inputs[P - 1], r[1], None, targets, r[0], mb_id
+                        ),
+                    )
+                    journey.stale_stages += [P - 1] if dropped else []
+                    break
+                try:
+                    result, _ = await self._with_retries(
+                        chain_at,
+                        lambda v, j=chain_at: self.chain.call(v, j, mb_id, inputs[j], targets),
+                        journey,
+                        timeout=self.chain.deadline(chain_at),
+                    )
+                except ChainBroken as e:  # hop e.stage goes through us: hub forwards up to it, chained from it
+                    self.chain.broke(e, mb_id)
+                    journey.retries += 1
+                    chain_at = e.stage
+                    continue
+                loss, grad = result.loss, result.grad
+                journey.retries += result.retries
+                journey.stale_stages += result.stale
+                break
+            for stage in range(len(peers) - 1, -1, -1):
                 grad, dropped = await self._backward(stage, mb_id, peers[stage], inputs[stage], grad, journey)
                 if dropped:
                     journey.stale_stages.append(stage)
@@ -207,7 +249,7 @@ class MicrobatchRunner:
 
     # ------------------------------------------------------------ verification
     async def _check_output(self, view: PeerView, stage: int, x: torch.Tensor, y: torch.Tensor, mb_id: str) -> None:
-        if self.verifier.sampled():
+        if _VERIFY_ALL.get() or self.verifier.sampled():
             await self.verifier.check_output(view, stage, x, y, mb_id)
 
     async def _check_gradient(
@@ -221,7 +263,7 @@ class MicrobatchRunner:
         loss: float | None = None,
         mb_id: str = "",
     ) -> None:
-        if grad_input is not None and self.verifier.sampled():
+        if grad_input is not None and (_VERIFY_ALL.get() or self.verifier.sampled()):
             await self.verifier.check_gradient(view, stage, x, grad_input, grad_output, targets, loss, mb_id)
 
     # ------------------------------------------------------------ retries
@@ -232,6 +274,7 @@ class MicrobatchRunner:
         journey: Journey,
         measure: bool = True,
         check: Callable[[PeerView, T], Awaitable[None]] | None = None,
+        timeout: float | None = None,
     ) -> tuple[T, PeerView]:
         """Run ``call(view)`` on the best replica; on failure, ban and try another; wait when none is alive.
         Every attempt after the first counts as a retry in ``journey``. ``measure``: see :meth:`_timed`.
@@ -252,7 +295,7 @@ class MicrobatchRunner:
             first_attempt = False
             self.router.started(view)
             try:
-                result = await self._timed(view, call(view), measure)
+                result = await self._timed(view, call(view), measure, timeout)
                 if check is not None:
                     await check(view, result)
                 return result, view
@@ -281,11 +324,13 @@ class MicrobatchRunner:
             return 0.0
         return self.router.failed(view, ban=_should_ban(e))
 
-    async def _timed(self, view: PeerView, awaitable: Awaitable[T], measure: bool = True) -> T:
-        """Await one call under the deadline. ``measure=False`` (validation): the call ends without its
-        latency entering the replica's estimate, which is for training calls."""
+    async def _timed(
+        self, view: PeerView, awaitable: Awaitable[T], measure: bool = True, timeout: float | None = None
+    ) -> T:
+        """Await one call under the deadline (``call_timeout`` unless given). ``measure=False`` (validation):
+        the call ends without its latency entering the replica's estimate, which is for training calls."""
         started = time.monotonic()
-        result = await asyncio.wait_for(awaitable, self.call_timeout)
+        result = await asyncio.wait_for(awaitable, timeout or self.call_timeout)
         if measure:
             self.router.succeeded(view, time.monotonic() - started)
         else:

@@ -55,25 +55,32 @@ class StageCalls:
         self.versions: dict[str, int] = {}
         # (peer id, micro-batch id) -> the version a training call was answered at (a check reads it at once)
         self.answered: dict[tuple[str, str], int] = {}
+        self.bytes_sent = 0  # request bytes of every call (trainer_bytes_per_microbatch in the report)
+        self.bytes_received = 0
 
     async def close(self) -> None:
         await self.pool.close()
 
     # ------------------------------------------------------------ plumbing
-    async def call(self, view: PeerView, method: str, request, payloads: list | None = None):
+    async def call(
+        self, view: PeerView, method: str, request, payloads: list | None = None, timeout: float | None = None
+    ):
         """Unary when small, chunked stream when large. ``payloads``: the request's tensor bytes as buffers,
-        per tensor field (None: in the message); a streamed request frames them straight from tensor storage."""
+        per tensor field (None: in the message); a streamed request frames them straight from tensor storage.
+        ``timeout``: the call's deadline (default ``call_timeout``; a chained call covers several stages)."""
+        sent = request.ByteSize() + sum(memoryview(p).nbytes for p in payloads or () if p is not None)
+        self.bytes_sent += sent  # counted even when the call fails: the bytes left all the same
         with self.policy.timed(view.address) as timed:
             response = await self.caller.call(
                 self.pool.channel(view.address),
                 self.pool.stub(view.address),
                 method,
                 request,
-                timeout=self.call_timeout,
+                timeout=timeout or self.call_timeout,
                 payloads=payloads,
             )
-            sent = sum(memoryview(p).nbytes for p in payloads or () if p is not None)
-            timed.nbytes = request.ByteSize() + sent + response.ByteSize()
+            self.bytes_received += response.ByteSize()
+            timed.nbytes = sent + response.ByteSize()
         if len(self.versions) < 100_000 or view.peer_id in self.versions:  # bounded however many peers lie
             self.versions[view.peer_id] = max(response.version, self.versions.get(view.peer_id, 0))
         self.answered[(view.peer_id, request.microbatch_id)] = response.version

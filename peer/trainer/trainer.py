@@ -39,6 +39,7 @@ from swarmpipe.peer.spec import RunSpec
 from swarmpipe.peer.swarm.bootstrap import resolve_initial_peers
 from swarmpipe.peer.swarm.dht import SwarmDHT, reconnect_bootstrap, start_dht
 from swarmpipe.peer.swarm.records import TrainerRecord
+from swarmpipe.peer.trainer.chain import ROUTES
 from swarmpipe.peer.trainer.evaluation import Evaluator
 from swarmpipe.peer.trainer.microbatch import MicrobatchRunner
 from swarmpipe.peer.trainer.progress import Progress
@@ -114,8 +115,17 @@ class Trainer:
         view = SwarmView(swarm, Router(spec.num_stages))
         if not 0.0 <= cfg.verify_fraction <= 1.0 or cfg.verify_ban_after < 1:
             raise ValueError("--verify-fraction must lie in [0, 1] and --verify-ban-after be at least 1")
+        if cfg.route not in ROUTES:
+            raise ValueError(f"--route must be one of {', '.join(ROUTES)}, not {cfg.route!r}")
         runner = self.runner = MicrobatchRunner(
-            spec, view, self.events, cfg.call_timeout, cfg.wait_timeout, cfg.verify_fraction, cfg.verify_ban_after
+            spec,
+            view,
+            self.events,
+            cfg.call_timeout,
+            cfg.wait_timeout,
+            cfg.verify_fraction,
+            cfg.verify_ban_after,
+            route=cfg.route,
         )
         if cfg.eval_every > 0:
             valid = (await asyncio.to_thread(dataset.validation, spec.microbatch_size))[: cfg.eval_batches]
@@ -163,6 +173,7 @@ class Trainer:
         self.state_file.save(stream.cursor, self.progress)  # the final counters
         report = self.progress.report(cfg.run_id, spec.microbatch_size)
         report["verification"] = {**vars(runner.verifier.stats), "banned": dict(runner.verifier.banned)}
+        report.update(self._traffic(), route=cfg.route, chain_breaks=runner.chain.breaks if runner.chain else 0)
         last = swarm.announce_trainer(self._record(spec.microbatch_size), ttl=60)
         try:  # after a signal the process is asked to leave: a slow DHT must not keep it
             await asyncio.wait_for(last, STOP_ANNOUNCE_S if self.stop_requested.is_set() else None)
@@ -350,10 +361,24 @@ class Trainer:
 
         return tqdm(total=self.cfg.steps, desc="training", unit="mb", dynamic_ncols=True)
 
+    def _traffic(self) -> dict[str, float]:
+        """The trainer's own bytes on the wire (every call, verification included), per micro-batch ended."""
+        calls = self.runner.calls
+        total = calls.bytes_sent + calls.bytes_received
+        return {
+            "trainer_bytes_sent": calls.bytes_sent,
+            "trainer_bytes_received": calls.bytes_received,
+            "trainer_bytes_per_microbatch": round(total / max(1, self.progress.ended), 1),
+        }
+
     def _record(self, microbatch_size: int) -> TrainerRecord:
-        """Progress, and the replicas this trainer banned for failing verification (the coordinator reports them)."""
+        """Progress, its traffic, and the replicas this trainer banned for failing verification (the coordinator
+        reports them)."""
         record = self.progress.record(microbatch_size)
-        return record.model_copy(update={"banned": list(self.runner.verifier.banned)})
+        update = {"banned": list(self.runner.verifier.banned)}
+        return record.model_copy(
+            update={**update, "bytes_per_microbatch": self._traffic()["trainer_bytes_per_microbatch"]}
+        )
 
     async def _announce_loop(self, swarm: SwarmDHT, microbatch_size: int) -> None:
         rounds = 0

@@ -31,6 +31,7 @@ METHODS = {
         ("input", "targets"),
         ("grad_input",),
     ),
+    "Chain": (swarm_pb2.ChainRequest, swarm_pb2.ChainResponse, ("input", "targets"), ("grad_input",)),  # chain_rpc.py
 }
 MB = 1 << 20
 DEFAULT_CHUNK = 1 * MB

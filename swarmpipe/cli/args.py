@@ -76,6 +76,9 @@ def resolve(
         section = data.get(file_section, data) if file_section else data
         file_values = {k.replace("-", "_"): v for k, v in section.items() if not isinstance(v, dict)}
     names = {f.name for f in dataclasses.fields(cls)}
+    if config_path:  # [transport]: the data path's options (route = "chain" | "hub"), for the roles that have them
+        shared = data.get("transport") if isinstance(data.get("transport"), dict) else {}
+        file_values = {**{k: v for k, v in shared.items() if k in names}, **file_values}
     unknown = set(file_values) - names
     if unknown:
         raise ValueError(f"unknown option(s) in {config_path}: {', '.join(sorted(unknown))}")

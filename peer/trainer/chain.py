@@ -1,0 +1,182 @@
+"""The trainer's side of chained micro-batches: a route, one call, and the hops it takes itself.
+
+In ``route = "chain"`` mode the trainer sends stage j (0, unless it relays some hops) the micro-batch's input,
+its targets and a route: for each later stage up to ``MAX_CANDIDATES`` replicas from its own routing (best
+expected finish first). The stages pass activations and gradients among themselves (peer/stage/chain_rpc.py);
+stage j answers with the loss, its input gradient (none on stage 0), and what each stage did, from which the
+trainer counts stale drops and retries exactly as in hub mode. Its traffic per micro-batch: tokens and targets
+in, a loss out.
+
+When the chain breaks at stage b (the peer before it reached none of its candidates: ABORTED, ``chain broke at
+stage b``), the micro-batch goes on at once with hop b through the trainer: hub forwards up to stage b-1 (from
+the input the trainer kept), a chained call from stage b on (the replicas there already answered for this
+micro-batch are asked again with the same ticket and answer from what they kept: nothing steps twice), hub
+backwards down to stage 0. The hop stays relayed by the trainer for a cooldown (5 s, doubling while it keeps
+breaking, up to 60 s), then chains are tried through it again: a peer that cannot dial the next stage (NAT, a
+relay that does not forward peer-to-peer calls) costs one failed dial per cooldown, not one per micro-batch.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import grpc
+import torch
+
+from swarmpipe.peer.events import EventLog, short_id
+from swarmpipe.peer.spec import RunSpec
+from swarmpipe.peer.trainer.routing import PeerView, Router
+from swarmpipe.peer.trainer.stage_calls import StageCalls
+from swarmpipe.peer.transport.chain_protocol import BROKEN, MAX_CANDIDATES, ChainBroken
+from swarmpipe.peer.transport.wire import WireError, decode, encode, encode_parts
+from swarmpipe.protos import swarm_pb2
+
+HUB_COOLDOWN_S = 5.0
+HUB_COOLDOWN_MAX_S = 60.0
+ROUTES = ("chain", "hub")
+
+
+@dataclass
+class ChainResult:
+    loss: float
+    grad: torch.Tensor | None  # the gradient of stage j's input (None when j is 0)
+    stale: list[int]  # stages that dropped the gradient
+    retries: int  # candidates that failed on the way, plus replays, summed over stages
+
+
+class ChainCalls:
+    def __init__(
+        self,
+        spec: RunSpec,
+        calls: StageCalls,
+        router: Router,
+        events: EventLog,
+        hop_timeout: float,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        self.spec = spec
+        self.calls = calls
+        self.router = router
+        self.events = events
+        self.hop_timeout = hop_timeout
+        self.clock = clock
+        self.hub_until: dict[int, float] = {}  # stage b -> until when the hop into b goes through the trainer
+        self.cooldown: dict[int, float] = {}  # stage b -> the next cooldown's length
+        self.breaks = 0
+
+    # ------------------------------------------------------------ where the chain starts
+    def start_stage(self) -> int:
+        """The first stage to chain from: 0, or past the last hop the trainer relays for now."""
+        now = self.clock()
+        return max((s for s, until in self.hub_until.items() if until > now), default=0)
+
+    def deadline(self, stage: int) -> float:
+        """The whole chain from ``stage``: a hop's time per stage left, and one more for a retry on the way."""
+        return self.hop_timeout * (self.spec.num_stages - stage + 1)
+
+    def broke(self, broken: ChainBroken, mb_id: str) -> None:
+        """Relay hop ``broken.stage`` for a cooldown that doubles while it keeps breaking."""
+        self.breaks += 1
+        length = self.cooldown.get(broken.stage, HUB_COOLDOWN_S)
+        self.hub_until[broken.stage] = self.clock() + length
+        self.cooldown[broken.stage] = min(HUB_COOLDOWN_MAX_S, 2 * length)
+        self.events.emit(
+            "chain_broken",
+            level=logging.WARNING,
+            microbatch=mb_id,
+            stage=broken.stage,
+            unreachable=broken.unreachable,
+            relayed_s=round(length, 1),
+            reason=broken.reason[:120],
+        )
+
+    def _chained_through(self, stage: int) -> None:
+        """A chain passed every hop after ``stage``: their cooldowns start over from the shortest."""
+        for s in range(stage + 1, self.spec.num_stages):
+            if self.hub_until.get(s, 0.0) <= self.clock():
+                self.cooldown.pop(s, None)
+
+    # ------------------------------------------------------------ the call
+    def route(self, stage: int) -> list[swarm_pb2.ChainCandidates]:
+        """Candidates for every stage after ``stage``, best expected finish first; ChainBroken when a stage has none."""
+        route = []
+        for s in range(stage + 1, self.spec.num_stages):
+            views = sorted(self.router.available(s), key=self.router.expected_finish)[:MAX_CANDIDATES]
+            if not views:
+                raise ChainBroken(s, f"no live replica of stage {s} is known", unreachable=False)
+            route.append(
+                swarm_pb2.ChainCandidates(
+                    hops=[swarm_pb2.ChainHop(peer_id=v.peer_id, address=v.address) for v in views]
+                )
+            )
+        return route
+
+    async def call(self, view: PeerView, stage: int, mb_id: str, x: torch.Tensor, targets: torch.Tensor) -> ChainResult:
+        """The micro-batch from ``stage`` on, through ``view``. ChainBroken: a later hop broke (not ``view``'s
+        fault: its in-flight count is settled here); any other error is ``view``'s, as for a hub call."""
+        try:
+            route = self.route(stage)
+        except ChainBroken:
+            view.in_flight = max(0, view.in_flight - 1)
+            raise
+        codec = self.calls.codec("activations", view, x) if stage > 0 else "none"
+        header, payload = encode_parts(x, codec)
+        request = swarm_pb2.ChainRequest(
+            run_id=self.spec.run_id,
+            stage=stage,
+            microbatch_id=mb_id,
+            input=header,
+            targets=encode(targets),
+            route=route,
+            ticket=self.calls.ticket(mb_id),
+            reply_codec=self.calls.codec("gradients", view, x) if stage > 0 else "",
+            hop_timeout_s=self.hop_timeout,
+        )
+        try:
+            response = await self.calls.call(
+                view, "Chain", request, payloads=[payload, None], timeout=self.deadline(stage)
+            )
+        except grpc.aio.AioRpcError as e:
+            broken = ChainBroken.parse(e.details()) if e.code() == BROKEN else None
+            if broken is None or not stage < broken.stage < self.spec.num_stages:  # else: this peer's own failure
+                raise
+            view.in_flight = max(0, view.in_flight - 1)
+            raise broken from None
+        result = self._read(stage, x, response)
+        self._chained_through(stage)
+        return result
+
+    def _read(self, stage: int, x: torch.Tensor, response: swarm_pb2.ChainResponse) -> ChainResult:
+        """Stage ``stage``'s answer, checked as a hub answer is: a finite loss, one result per stage, the gradient."""
+        if not torch.isfinite(torch.tensor(float(response.loss))):
+            raise WireError(f"stage {stage} returned a non-finite loss")
+        stages = list(response.stages)
+        if [s.stage for s in stages] != list(range(stage, self.spec.num_stages)):
+            raise WireError(f"stage {stage} answered for stages {[s.stage for s in stages][:8]}")
+        grad = None
+        if stage > 0:
+            grad = decode(
+                response.grad_input,
+                max_elements=self.spec.limits.max_tensor_elements,
+                expect_shape=(x.shape[0], x.shape[1], self.spec.model.d_model),
+                what="grad_input",
+            ).float()
+            grad = self.calls.bounded("gradients", stage, grad)
+        for s in stages:
+            if s.dropped_reason and not s.applied:
+                self.events.emit(
+                    "chain_dropped",
+                    level=logging.DEBUG,
+                    stage=s.stage,
+                    peer=short_id(s.peer_id),
+                    reason=s.dropped_reason[:80],
+                )
+        return ChainResult(
+            loss=float(response.loss),
+            grad=grad,
+            stale=[s.stage for s in stages if not s.applied],
+            retries=sum(max(0, min(s.retries, 1000)) for s in stages),
+        )
