@@ -259,3 +259,17 @@ def test_the_route_names_the_best_replicas_of_every_later_stage():
     with pytest.raises(ChainBroken) as info:
         chain.route(0)
     assert info.value.stage == 2 and not info.value.unreachable
+
+
+# ------------------------------------------------------------------ the trainer record's new field
+@pytest.mark.parametrize("value", [-1.0, float("inf"), float("nan"), 1e13, "12", True])
+def test_a_hostile_trainer_bytes_figure_is_refused(value):
+    from pydantic import ValidationError
+
+    from swarmpipe.peer.swarm.records import TrainerRecord
+
+    fields = dict(step=1, samples_per_s=1.0, updated_at=0.0)
+    assert TrainerRecord(**fields, bytes_per_microbatch=4096.0).bytes_per_microbatch == 4096.0
+    assert TrainerRecord(**fields).bytes_per_microbatch == 0.0  # a record from before the field
+    with pytest.raises(ValidationError):
+        TrainerRecord(**fields, bytes_per_microbatch=value)
