@@ -101,6 +101,12 @@ def main() -> None:
     ap.add_argument("--codec", default=default.compression.activations)
     ap.add_argument("--rate", default="25mbit", help="the trainer's link in case (b)")
     ap.add_argument("--delay", default="20ms", help="one way, on each end of the trainer's link")
+    ap.add_argument(
+        "--verify-fraction",
+        default="0",
+        help="the trainers' --verify-fraction: 0 measures the transport alone (a verified micro-batch goes the hub "
+        "way in both modes; its cost is bench/verification.py's subject)",
+    )
     ap.add_argument("--cases", nargs="+", default=["loopback", "limited"], choices=["loopback", "limited"])
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "chain.json"))
     args = ap.parse_args()
@@ -114,11 +120,12 @@ def main() -> None:
         flush=True,
     )
     out: dict = {"stages": args.stages, "steps": args.steps, "rounds": args.rounds, **knobs, "cases": {}}
+    out["verify_fraction"] = float(args.verify_fraction)
     if "loopback" in args.cases:
         swarm = BenchSwarm(workroot / "loopback", args.stages, **knobs)
         try:
             swarm.start()
-            rows = run_case("loopback", swarm, args, [], None)
+            rows = run_case("loopback", swarm, args, ["--verify-fraction", args.verify_fraction], None)
         finally:
             swarm.stop()
         out["cases"]["loopback"] = {"rows": rows, **ratios(rows)}
@@ -136,7 +143,8 @@ def main() -> None:
                 swarm = BenchSwarm(workroot / "limited", args.stages, host=link.root_ip, **knobs)
                 try:
                     swarm.start()
-                    rows = run_case("limited", swarm, args, ["--host", link.ns_ip], link.prefix())
+                    trainer_args = ["--host", link.ns_ip, "--verify-fraction", args.verify_fraction]
+                    rows = run_case("limited", swarm, args, trainer_args, link.prefix())
                 finally:
                     swarm.stop()
             finally:
