@@ -8,8 +8,11 @@ order and is scored on the same held-out batches.
 Quick set (default, < 10 min on one thread): sync AdamW, GPipe-equivalent AdamW,
 async AdamW, async Nesterov, async basis rotation, all with weight stashing at P = 8.
 ``--full`` adds P = 4, the no-stash variants (AdamW, Nesterov) and a second seed.
+``--delay-aware`` adds issue 16's delay-adaptive runs (P = 8): basis rotation with delay
+compensation (``--compensation`` lambda), 4-micro-batch accumulated steps without and with delay
+weights (``--weight-power``), and the cost bounds (one-sided rotation, a slower refresh).
 
-    python bench/convergence.py [--steps 1000] [--lr 3e-3] [--full] [--out bench/results/convergence.json]
+    python bench/convergence.py [--steps 1000] [--lr 3e-3] [--full] [--delay-aware] [--jobs 2] [--out FILE]
 """
 
 from __future__ import annotations
@@ -19,7 +22,8 @@ import json
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
+from multiprocessing import get_context
 from pathlib import Path
 
 import torch
@@ -132,10 +136,40 @@ class RunConfig:
     seed: int
     synchronous: bool = False  # zero delays
     delay_source: str = "formula"  # OptimizerSpec.delay_source: formula | measured
+    accumulate: int = 1  # micro-batches per update (the lr schedule spans the same samples)
+    delay_weight_power: float = 0.0  # OptimizerSpec.delay_weight_power (3b)
+    delay_compensation: float = 0.0  # OptimizerSpec.delay_compensation (3c)
+    rotation_max_dim: int = 0  # OptimizerSpec.rotation_max_dim (item 6: one-sided rotation)
+    rotation_every: int = 10  # OptimizerSpec.rotation_every (item 6: a slower refresh)
 
     @property
     def label(self) -> str:
         return f"{self.name} P={self.stages} seed={self.seed}"
+
+
+def delay_aware_set(seeds: tuple[int, ...], delays: str, compensation: float, power: float) -> list[RunConfig]:
+    """Issue 16's delay-adaptive runs at P = 8. Under 1F1B every micro-batch of a stage has the same delay,
+    so delay weights and the measured delay change nothing (left out); the cost bounds of item 6 (one-sided
+    rotation, a slower refresh) run there. Under other delays the synchronous run is the same (left out)."""
+    runs: list[RunConfig] = []
+    for seed in seeds:
+        br = RunConfig("async_basis_rotation", "basis_rotation", "stash", 8, seed)
+        runs += [RunConfig("async_adamw", "adamw", "stash", 8, seed), br]
+        runs += [replace(br, name="async_basis_rotation_dc", delay_compensation=compensation)]
+        runs += [RunConfig("nostash_nesterov", "nesterov", "nostash", 8, seed)]
+        if delays == "1f1b":
+            runs.insert(len(runs) - 4, RunConfig("sync_adamw", "adamw", "stash", 8, seed, synchronous=True))
+            runs += [
+                replace(br, name="async_basis_rotation_onesided64", rotation_max_dim=64),
+                replace(br, name="async_basis_rotation_f50", rotation_every=50),
+            ]
+        else:
+            runs += [
+                RunConfig("nostash_nesterov_measured", "nesterov", "nostash", 8, seed, delay_source="measured"),
+                replace(br, name="async_basis_rotation_acc4", accumulate=4),
+                replace(br, name="async_basis_rotation_acc4_weighted", accumulate=4, delay_weight_power=power),
+            ]
+    return runs
 
 
 def run_set(full: bool) -> list[RunConfig]:
@@ -170,6 +204,10 @@ def make_spec(cfg: RunConfig, setting: Setting, vocab_size: int = 256) -> RunSpe
         momentum_decay=setting.psi,
         stash=cfg.mode != "nostash",
         delay_source=cfg.delay_source,
+        delay_weight_power=cfg.delay_weight_power,
+        delay_compensation=cfg.delay_compensation,
+        rotation_max_dim=cfg.rotation_max_dim,
+        rotation_every=cfg.rotation_every,
     )
     model = ModelSpec(vocab_size=vocab_size, d_model=64, n_layers=8, n_heads=4, seq_len=64)
     return RunSpec(num_stages=cfg.stages, seed=cfg.seed, microbatch_size=16, model=model, optimizer=opt).validate()
@@ -193,6 +231,7 @@ def run_one(cfg: RunConfig, setting: Setting, eval_every: int = 50, eval_batches
         cfg.mode,
         evals,
         eval_every,
+        accumulate=cfg.accumulate if cfg.mode != "gpipe" else None,
         init=init,  # type: ignore[arg-type]
     )
     return {
@@ -207,6 +246,10 @@ def run_one(cfg: RunConfig, setting: Setting, eval_every: int = 50, eval_batches
         "updates": res.updates,
         "seconds": round(res.seconds, 1),
     }
+
+
+def _work(job: tuple[RunConfig, Setting, int, int]) -> dict:
+    return run_one(*job)
 
 
 def steps_to_reach(eval_micro: list[int], eval_losses: list[float], target: float) -> int | None:
@@ -270,6 +313,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--eval-every", type=int, default=50)
     parser.add_argument("--eval-batches", type=int, default=8)
     parser.add_argument("--full", action="store_true", help="add P=4, no-stash variants and a second seed")
+    parser.add_argument("--delay-aware", action="store_true", help="issue 16's delay-adaptive set instead (P=8)")
+    parser.add_argument("--compensation", type=float, default=1.0, help="delay compensation lambda (--delay-aware)")
+    parser.add_argument("--weight-power", type=float, default=1.0, help="delay weight power (--delay-aware)")
+    parser.add_argument("--jobs", type=int, default=1, help="runs in parallel, one torch thread each")
     parser.add_argument("--only", default="", help="comma-separated run names to keep (for quick checks)")
     parser.add_argument("--stages", default="", help="comma-separated stage counts to keep, e.g. 8")
     parser.add_argument("--seeds", default="", help="comma-separated seeds to keep, e.g. 0")
@@ -295,6 +342,8 @@ def main(argv: list[str] | None = None) -> int:
         delays=args.delays,
     )
     runs = run_set(args.full)
+    if args.delay_aware:
+        runs = delay_aware_set((0, 1), args.delays, args.compensation, args.weight_power)
     if args.only:
         keep = set(args.only.split(","))
         runs = [r for r in runs if r.name in keep or r.name == "sync_adamw"]
@@ -304,10 +353,12 @@ def main(argv: list[str] | None = None) -> int:
         runs = [r for r in runs if str(r.seed) in args.seeds.split(",")]
     started = time.perf_counter()
     results = []
-    for cfg in runs:
-        record = run_one(cfg, setting, args.eval_every, args.eval_batches)
-        results.append(record)
-        print(f"{cfg.label:<40} val {record['final_eval']:.4f}  {record['seconds']:6.1f}s", flush=True)
+    work = [(cfg, setting, args.eval_every, args.eval_batches) for cfg in runs]
+    with get_context("spawn").Pool(max(1, args.jobs)) as pool:  # one torch thread per run
+        for record in pool.imap(_work, work):
+            results.append(record)
+            label = f"{record['name']} P={record['stages']} seed={record['seed']}"
+            print(f"{label:<46} val {record['final_eval']:.4f}  {record['seconds']:6.1f}s", flush=True)
 
     summarize(results, args.steps, args.lr)
     total = time.perf_counter() - started

@@ -112,7 +112,7 @@ class BasisRotationAdam(torch.optim.Optimizer):
         init_basis: str = "eigh",
         max_dim: int = 0,
         compensation: float = 0.0,
-        compensation_cap: float = 1.0,
+        compensation_cap: float = 3.0,
     ) -> None:
         if init_basis not in ("eigh", "identity"):
             raise ValueError(f"init_basis must be 'eigh' or 'identity', got {init_basis!r}")
