@@ -26,11 +26,13 @@ from swarmpipe.peer.events import EventLog
 from swarmpipe.peer.model.hf_checkpoint import resolve_spec
 from swarmpipe.peer.spec import RunSpec, load_spec
 from swarmpipe.peer.stage.error_contract import abort_malformed, generated_handlers, guard_handlers
+from swarmpipe.peer.stage.relaying import relay_handlers, relay_record, relay_servicer
 from swarmpipe.peer.stage.state import StateError
 from swarmpipe.peer.stage.state_transfer import download_state
 from swarmpipe.peer.stage.unauthenticated import logged
 from swarmpipe.peer.swarm.dht import SwarmDHT, start_dht, trust_coordinators, visible_maddrs
 from swarmpipe.peer.swarm.records import CheckpointRecord, PeerState, RunIndexRecord, now
+from swarmpipe.peer.transport.addresses import is_wildcard
 from swarmpipe.peer.transport.channels import server_options
 
 log = logging.getLogger("swarmpipe.coordinator")
@@ -76,6 +78,7 @@ class Coordinator:
         )
         self.grpc_server: grpc.aio.Server | None = None
         self.grpc_address = ""
+        self.relay = None
         self.last_checkpoint: dict[str, Any] | None = self.store.manifest() if self.store else None
 
     async def run(self) -> int:
@@ -114,8 +117,7 @@ class Coordinator:
             Path(cfg.identity + ".port").write_text(str(bound))
         self.swarm = SwarmDHT(self.dht, self.spec.run_id)
         self.swarm.protect()
-        if self.store is not None or self.base is not None:
-            await self._start_checkpoint_server()
+        await self._start_grpc_server()
         await self._publish()
         self.http = SwarmHttpServer(self, cfg.host, cfg.http_port)
         http_port = self.http.start()
@@ -153,6 +155,9 @@ class Coordinator:
         )
         await self.swarm.list_in_index(index, ttl=max(ttl, 3600))
 
+        if self.grpc_address and not is_wildcard(self.grpc_address.rsplit(":", 1)[0]):  # peers ask us to dial them
+            record = relay_record(self.relay, self.grpc_address, role="coordinator")
+            await self.swarm.announce_relay(record, ttl=max(ttl, 60))
         if self.grpc_address and (self.last_checkpoint is not None or self.base is not None):
             # with a base checkpoint and no checkpoint yet: every stage's version -1, the address serves the base
             await self._publish_checkpoint(self.last_checkpoint or {"step": 0, "stages": {}})
@@ -166,23 +171,30 @@ class Coordinator:
                 log.warning("coordinator publish failed: %s", e)
 
     # ------------------------------------------------------------ checkpoints
-    async def _start_checkpoint_server(self) -> None:
-        servicer = CheckpointServicer(
-            self.store,
-            self.spec,
-            on_saved=self._checkpoint_saved,
-            base=self.base,
-            identity=self.swarm.identity,
-            stage_members=self.swarm.stage_peers,
-        )
+    async def _start_grpc_server(self) -> None:
+        """Reachability checks for joining peers, always; checkpoints, when we keep them or serve a base."""
         # a private swarm: credentials on every call, TLS with the certificate our checkpoint record names
         security = self.swarm.security
         interceptors = security.server_interceptors(logged(log, f"coordinator {self.swarm.peer_id[-6:]}"))
         self.grpc_server = grpc.aio.server(
             options=server_options(self.spec.limits.max_message_mb), interceptors=interceptors
         )
-        handlers = guard_handlers(generated_handlers(servicer), abort_malformed)  # garbage: INVALID_ARGUMENT
-        self.grpc_server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("swarmpipe.Stage", handlers),))
+        if self.store is not None or self.base is not None:
+            servicer = CheckpointServicer(
+                self.store,
+                self.spec,
+                on_saved=self._checkpoint_saved,
+                base=self.base,
+                identity=self.swarm.identity,
+                stage_members=self.swarm.stage_peers,
+            )
+            handlers = guard_handlers(generated_handlers(servicer), abort_malformed)  # garbage: INVALID_ARGUMENT
+            self.grpc_server.add_generic_rpc_handlers(
+                (grpc.method_handlers_generic_handler("swarmpipe.Stage", handlers),)
+            )
+        self.relay = relay_servicer(self.cfg, self.swarm.peer_id, role="coordinator")
+        for name, relay in relay_handlers(self.relay).items():
+            self.grpc_server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(name, relay),))
         port = security.add_port(self.grpc_server, f"{self.cfg.host}:{self.cfg.grpc_port}")
         await self.grpc_server.start()
         self.grpc_address = f"{self.cfg.announce_host or self.cfg.host}:{port}"
@@ -272,6 +284,7 @@ class Coordinator:
                         "device": r.device,
                         "device_memory_total": r.device_memory_total,
                         "device_memory_used": r.device_memory_used,
+                        "relay": r.relay,  # '' when dialled directly; else the relay carrying its calls
                     }
                 )
                 seen[peer_id] = (index, r.state.value)

@@ -26,7 +26,9 @@ class CommonConfig:
         [], "peer ids of the coordinators whose signed spec to trust (default: the peer ids in --initial-peers)"
     )
     host: str = opt("127.0.0.1", "interface to bind servers to")
-    announce_host: str = opt("", "address other peers should dial (default: --host)")
+    announce_host: str = opt(
+        "", "host others should dial: a name or IP, or 'auto' (learned from a reachability check; default: --host)"
+    )
     log_level: str = opt("INFO", "logging level")
     event_log: str = opt("", "append JSON-lines events to this file")
     threads: int = opt(0, "torch threads for this process (0: the cores it may use, by affinity and cgroup quota)")
@@ -64,6 +66,12 @@ class PeerConfig(CommonConfig):
         "",
         "local copy of the run's base Hugging Face checkpoint (default: the spec's path if it exists here, else the swarm serves it)",
     )
+    # volunteering from home (peer/stage/serving_address.py): reachability check, relays, DHT client mode
+    reachability_check: bool = opt(True, "before announcing, have a reachable node dial our address back")
+    relay: str = opt("auto", "when nobody can dial us: auto (serve through a relay) | off (exit with advice) | always")
+    relay_capacity: int = opt(0, "relay up to N peers that cannot be dialled (only when we can be)")
+    relay_rate_mbit: float = opt(200.0, "bytes forwarded per relayed peer, Mbit/s (0: no cap)")
+    dht_client_mode: str = opt("auto", "DHT client mode: auto (when nobody can dial us) | on | off")
 
 
 @dataclass

@@ -149,7 +149,8 @@ function renderPipeline(snap) {
       },
         el("span", { class: "peer", text: shortId(p.peer_id) }),
         el("span", { class: "state", text: p.state }),
-        el("span", { class: "addr", text: p.address + (p.metrics_address ? "  ·  metrics " + p.metrics_address : "") }),
+        el("span", { class: "addr", text: p.address + (p.relay ? "  ·  via relay " + p.relay.slice(-6) : "")
+                                          + (p.metrics_address ? "  ·  metrics " + p.metrics_address : "") }),
         el("div", { class: "device", title: fmtDevice(p), "data-device": p.device || "",
                     "data-memory": fmtMemory(p.device_memory_used, p.device_memory_total) || "-" },
           el("span", { class: "label", text: "device " }), el("b", { text: fmtDevice(p) })),

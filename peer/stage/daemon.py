@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import logging
 import os
@@ -20,13 +21,16 @@ from swarmpipe.peer.stage.memory import check_fits, estimate_stage_memory, stage
 from swarmpipe.peer.stage.metrics import PeerMetrics
 from swarmpipe.peer.stage.precision import resolve_precision
 from swarmpipe.peer.stage.rebalancer import Rebalancer
+from swarmpipe.peer.stage.relaying import check_settings, relay_handlers, relay_record, relay_servicer
 from swarmpipe.peer.stage.runtime import StageRuntime
 from swarmpipe.peer.stage.server import StageServicer, start_server
+from swarmpipe.peer.stage.serving_address import NotReachable, ServingAddress
 from swarmpipe.peer.stage.state_sources import hand_off_state, load_initial_state
 from swarmpipe.peer.swarm.balance import choose_stage
 from swarmpipe.peer.swarm.bootstrap import neediest_run, resolve_initial_peers
-from swarmpipe.peer.swarm.dht import SwarmDHT, reconnect_bootstrap, start_dht
+from swarmpipe.peer.swarm.dht import SwarmDHT, reconnect_bootstrap, restart_as_client, start_dht
 from swarmpipe.peer.swarm.records import WIRE_PROTOCOL, PeerState, StageRecord, now
+from swarmpipe.peer.transport.addresses import hosts_of_multiaddrs
 
 log = logging.getLogger("swarmpipe.peer")
 MIN_RECORD_TTL_S = 10.0
@@ -50,12 +54,15 @@ class PeerDaemon:
         self.initial_peers: list[str] = []
         self.averager: ReplicaAverager | None = None
         self.averaging_task: asyncio.Task | None = None
+        self.serving: ServingAddress | None = None
+        self.relay = None
 
     # ------------------------------------------------------------ lifecycle
     async def run(self) -> int:
         cfg = self.cfg
         torch.set_num_threads(cfg.threads or default_threads())
         self.device = resolve_device(cfg.device)  # before anything starts: a wrong --device ends here
+        check_settings(cfg.relay, cfg.dht_client_mode, cfg.relay_capacity)
         self.device_info = device_info(self.device)
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -71,6 +78,7 @@ class PeerDaemon:
             cfg.announce_host or None,
             require_bootstrap=not cfg.run_id,
             coordinators=cfg.coordinator_id,
+            client_mode=cfg.dht_client_mode == "on",
         )
         try:
             return await self._serve_or_leave()
@@ -79,6 +87,8 @@ class PeerDaemon:
                 await self.server.stop(grace=1.0)
             if self.servicer is not None:
                 self.servicer.runtime.close()
+            if self.serving is not None:
+                await self.serving.close()
             self.dht.shutdown()
 
     async def _serve_or_leave(self) -> int:
@@ -139,10 +149,20 @@ class PeerDaemon:
             scale=float(f"{state.meta.get('blend_scale', 1.0):.4g}"),
             radius=float(f"{state.meta.get('blend_radius', 0.0):.4g}"),
         )
-        self.server, port = await start_server(self.servicer, cfg.host, cfg.port)
-        self.address = f"{cfg.announce_host or cfg.host}:{port}"
+        self.relay = relay_servicer(cfg, peer_id)  # checks reachability for others; relays with --relay-capacity
+        self.server, port = await start_server(self.servicer, cfg.host, cfg.port, services=relay_handlers(self.relay))
+        self.serving = ServingAddress(
+            cfg, self.swarm, peer_id, self.events, port, spec.num_stages, hosts_of_multiaddrs(self.initial_peers)
+        )
+        try:
+            self.address = await self.serving.establish() or await self._through_a_relay(port)
+        except NotReachable as e:
+            self.events.emit("unreachable", level=logging.ERROR, advice=str(e))
+            raise
+        if not self.serving.relayed:  # relayed peers get our host for the ports we open for them
+            self.relay.announce_host = self.address.rsplit(":", 1)[0].strip("[]")
         if cfg.metrics_port >= 0:
-            self.metrics_address = f"{cfg.announce_host or cfg.host}:{metrics.serve(cfg.metrics_port, cfg.host)}"
+            self.metrics_address = f"{self.address.rsplit(':', 1)[0]}:{metrics.serve(cfg.metrics_port, cfg.host)}"
         await self._announce()  # visible as "joining" while state arrives
         if cfg.state_download:
             await load_initial_state(self.swarm, runtime, self.events)
@@ -153,6 +173,8 @@ class PeerDaemon:
         self.events.emit("online", stage=stage, address=self.address, metrics=self.metrics_address or "-")
         self._write_ready(run_id, stage, peer_id)
         background = [asyncio.create_task(self._announce_loop())]
+        if self.serving.relayed:  # a lost relay is replaced and re-announced at once
+            background.append(asyncio.create_task(self.serving.keep_relayed(self._moved, self.stop_requested)))
         self._start_averaging()
         if cfg.rebalance_period > 0:
             background.append(asyncio.create_task(Rebalancer(self, cfg.rebalance_period).run()))
@@ -164,6 +186,29 @@ class PeerDaemon:
         runtime = self.servicer.runtime
         self.events.emit("stopped", stage=runtime.stage, version=runtime.version, steps=runtime.stats.steps)
         return 0
+
+    async def _moved(self) -> None:
+        """Another relay carries us now: its address, announced at once (and in the ready file)."""
+        self.address = self.serving.address
+        await self._announce()
+        self._write_ready(self.swarm.run_id, self.servicer.runtime.stage, self.events.peer_id)
+
+    async def _through_a_relay(self, port: int) -> str:
+        """Nobody can dial us. Our DHT node becomes a client (``--dht-client-mode auto``); hivemind forks it,
+        and a fork must not meet live gRPC objects, so our server stops for it and starts again on its port.
+        Then a relay's tunnel: the address we announce."""
+        self.relay.capacity = 0  # a relayed peer relays nobody
+        if self.cfg.dht_client_mode == "auto":
+            await self.server.stop(None)
+            self.server = None
+            gc.collect()  # no grpc.aio object may be freed in the forked child
+            self.dht = await asyncio.to_thread(restart_as_client, self.dht, self.initial_peers, self.cfg.host)
+            self.swarm = SwarmDHT(self.dht, self.swarm.run_id)
+            self.swarm.protect()
+            self.serving.swarm = self.swarm
+            services = relay_handlers(self.relay)
+            self.server, _ = await start_server(self.servicer, self.cfg.host, port, services=services)
+        return await self.serving.relay()
 
     def _start_averaging(self) -> None:
         """Average with the current stage's replicas (again after a move: a fresh averager for the new runtime)."""
@@ -231,6 +276,7 @@ class PeerDaemon:
         s = self.servicer
         return StageRecord(
             address=self.address,
+            relay=self.serving.relay_peer,
             state=state or self.lifecycle.state,
             queue=s.queue,
             version=s.runtime.version,
@@ -289,6 +335,8 @@ class PeerDaemon:
 
     async def _announce(self) -> None:
         await self.swarm.announce_stage(self.servicer.runtime.stage, self.record(), ttl=self.record_ttl)
+        if not self.serving.relayed:  # we answer reachability checks (and relay, with --relay-capacity)
+            await self.swarm.announce_relay(relay_record(self.relay, self.address), ttl=self.record_ttl)
 
     async def announce_as(self, stage: int, record: StageRecord) -> None:
         """Announce under a stage we are moving to or leaving (rebalancing)."""

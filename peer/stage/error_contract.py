@@ -130,10 +130,12 @@ class _HandlerCapture:
         self.handlers = dict(handlers)
 
 
-def generated_handlers(servicer: Any) -> dict[str, grpc.RpcMethodHandler]:
-    """The ``swarmpipe.Stage`` method handlers the generated code builds for ``servicer``."""
+def generated_handlers(
+    servicer: Any, add: Callable[[Any, Any], None] = swarm_pb2_grpc.add_StageServicer_to_server
+) -> dict[str, grpc.RpcMethodHandler]:
+    """The method handlers the generated ``add`` (default: ``swarmpipe.Stage``'s) builds for ``servicer``."""
     capture = _HandlerCapture()
-    swarm_pb2_grpc.add_StageServicer_to_server(servicer, capture)
+    add(servicer, capture)
     return capture.handlers
 
 

@@ -366,20 +366,22 @@ class StageServicer(StateRPCs, ChainRPCs, swarm_pb2_grpc.StageServicer):
 
 
 def _stage_method_handlers(servicer: StageServicer) -> dict:
-    """The generated handlers, except ``Stream``: it runs without protobuf (de)serializers, so frames
-    arrive and leave as raw bytes and the payload is sliced, not copied into and out of messages. The
-    others answer bytes that do not decode with INVALID_ARGUMENT (grpc's own answer is UNKNOWN and a
-    logged traceback)."""
+    """The generated handlers; ``Stream`` without protobuf (de)serializers (frames' payloads are sliced, not
+    copied), the others answer undecodable bytes with INVALID_ARGUMENT (grpc's: UNKNOWN and a traceback)."""
     handlers = generated_handlers(servicer)
     handlers["Stream"] = grpc.stream_stream_rpc_method_handler(servicer.Stream)
     return guard_handlers(handlers, servicer.rejections.malformed)
 
 
 async def start_server(
-    servicer: StageServicer, host: str, port: int, security: process_security.Security | None = None
+    servicer: StageServicer,
+    host: str,
+    port: int,
+    security: process_security.Security | None = None,
+    services: dict[str, dict[str, grpc.RpcMethodHandler]] | None = None,
 ) -> tuple[grpc.aio.Server, int]:
-    """Bind and start; returns the server and the real port (port 0 picks a free one). ``security``: credentials
-    required and TLS (default: the process's, :mod:`swarmpipe.peer.transport.security`)."""
+    """Bind and start; returns the server and the real port (0 picks a free one). ``security``: credentials and
+    TLS (default: the process's); ``services``: more services' handlers by full service name (the relay)."""
     tune_allocator()
     security = security or process_security.current()
     options = server_options(servicer.spec.limits.max_message_mb)
@@ -388,6 +390,8 @@ async def start_server(
     handlers = _stage_method_handlers(servicer)
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("swarmpipe.Stage", handlers),))
     server.add_registered_method_handlers("swarmpipe.Stage", handlers)
+    for name, extra in (services or {}).items():
+        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(name, extra),))
     bound = security.add_port(server, f"{host}:{port}")
     if bound == 0:
         raise OSError(f"could not bind the stage server to {host}:{port}")

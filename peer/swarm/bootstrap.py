@@ -2,9 +2,18 @@
 
 from __future__ import annotations
 
+import asyncio
+import functools
+import logging
+from collections.abc import Sequence
 from importlib import resources
+from typing import Any
+
+import hivemind
 
 from swarmpipe.peer.swarm.records import PeerState, RunIndexRecord, StageRecord
+
+log = logging.getLogger("swarmpipe.dht")
 
 # How to find a swarm or start one: the second half of every "no bootstrap peers" error.
 FIND_OR_START = (
@@ -45,3 +54,35 @@ def neediest_run(runs: dict[str, RunIndexRecord], stages_of: dict[str, list[dict
         return len(thinnest), sum(r.throughput for r in thinnest), run_id
 
     return min(runs, key=need)
+
+
+async def _ping_bootstrap(maddrs: list[str], dht: hivemind.DHT, node: Any) -> int:
+    """Runs inside the DHT process: reconnect to bootstrap peers and ping them, which also makes
+    them add us to their routing tables. A restarted coordinator (same identity and port) starts
+    with an empty table; this is how the swarm finds it again."""
+    from hivemind.p2p import PeerID
+    from hivemind.utils.multiaddr import Multiaddr
+
+    answered = 0
+    for maddr in maddrs:
+        try:
+            address, peer = maddr.rsplit("/p2p/", 1)
+            peer_id = PeerID.from_base58(peer)
+            await asyncio.wait_for(node.p2p._client.connect(peer_id, [Multiaddr(address)]), 5)
+            if await asyncio.wait_for(node.protocol.call_ping(peer_id), 5) is not None:
+                answered += 1
+        except Exception:  # unreachable now: the next round tries again
+            continue
+    return answered
+
+
+async def reconnect_bootstrap(dht: hivemind.DHT, maddrs: Sequence[str]) -> int:
+    """How many bootstrap peers answered (see :func:`_ping_bootstrap`)."""
+    if not maddrs:
+        return 0
+    future = dht.run_coroutine(functools.partial(_ping_bootstrap, list(maddrs)), return_future=True)
+    try:
+        return int(await asyncio.wait_for(future, 30))
+    except Exception as e:
+        log.debug("bootstrap reconnect failed: %s", e)
+        return 0

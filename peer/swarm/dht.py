@@ -14,6 +14,8 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import os
+import shutil
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -29,19 +31,28 @@ from swarmpipe.peer.swarm.access import (
     current_access,
     key_id,
 )
+from swarmpipe.peer.swarm.bootstrap import reconnect_bootstrap  # noqa: F401 - callers import it from here
 from swarmpipe.peer.swarm.child_processes import DHTProcess, guard_forks
-from swarmpipe.peer.swarm.identity import Identity, load_identity, peer_id_in_maddr, split_signed_subkey
+from swarmpipe.peer.swarm.identity import (
+    Identity,
+    load_identity,
+    peer_id_in_maddr,
+    split_signed_subkey,
+    write_key_file,
+)
 from swarmpipe.peer.swarm.record_validator import RunRecordValidator
 from swarmpipe.peer.swarm.records import (
     RUNS_INDEX_KEY,
     WIRE_PROTOCOL,
     CheckpointRecord,
+    RelayRecord,
     RunIndexRecord,
     StageRecord,
     TrainerRecord,
     checkpoint_key,
     parse_record,
     parse_subkeyed,
+    relays_key,
     spec_key,
     stage_key,
     trainer_key,
@@ -64,6 +75,7 @@ def start_dht(
     require_bootstrap: bool = True,
     coordinators: Iterable[str] = (),
     access: SwarmAccess | None = None,
+    client_mode: bool = False,
 ) -> hivemind.DHT:
     """``require_bootstrap=False``: start even when no initial peer answers (the coordinator may be
     down); the caller keeps pinging them with :func:`reconnect_bootstrap` until one does.
@@ -83,6 +95,7 @@ def start_dht(
         start=True,
         record_validators=[identity.validator],
         identity_path=identity.path,
+        client_mode=client_mode,  # nobody can dial us: read and store through others, stay out of routing tables
     )
     if not identity_path:
         kwargs["check_if_identity_free"] = False  # a key made a moment ago is nobody else's
@@ -107,6 +120,28 @@ def start_dht(
     dht.swarmpipe_coordinators = frozenset(trusted)  # type: ignore[attr-defined]
     _secure(dht, access, identity, frozenset(trusted))
     return dht
+
+
+def restart_as_client(dht: hivemind.DHT, initial_peers: Sequence[str], host: str = "127.0.0.1") -> hivemind.DHT:
+    """The same node (identity, trust, security) started again in client mode: it reads and stores through
+    others and is never put into their routing tables, as a node nobody can dial must be. The old node
+    stops once the new one has joined; if the new one cannot join, the old one stays and is returned."""
+    identity = identity_of(dht)
+    path = write_key_file(identity)
+    try:
+        kwargs = dict(host_maddrs=[f"/ip4/{host}/tcp/0"], start=True, client_mode=True, identity_path=path)
+        kwargs["check_if_identity_free"] = False  # it is ours: the node we replace still holds it
+        new = DHTProcess(initial_peers=list(initial_peers) or None, record_validators=[identity.validator], **kwargs)
+    except Exception as e:
+        log.warning("dht: could not restart in client mode (%s); staying a full node", str(e).splitlines()[-1][:160])
+        return dht
+    finally:
+        shutil.rmtree(os.path.dirname(path), ignore_errors=True)
+    for name in ("swarmpipe_identity", "swarmpipe_coordinators", "swarmpipe_access", "swarmpipe_security"):
+        setattr(new, name, getattr(dht, name))
+    dht.shutdown()
+    log.info("dht: peer %s runs its DHT node in client mode (it cannot be dialled)", identity.peer_id[-6:])
+    return new
 
 
 def _secure(dht: hivemind.DHT, access: SwarmAccess, identity: Identity, trusted: frozenset[str]) -> None:
@@ -143,38 +178,6 @@ def trust_coordinators(dht: hivemind.DHT, peer_ids: Iterable[str]) -> None:
 
 def visible_maddrs(dht: hivemind.DHT) -> list[str]:
     return [str(m) for m in dht.get_visible_maddrs()]
-
-
-async def _ping_bootstrap(maddrs: list[str], dht: hivemind.DHT, node: Any) -> int:
-    """Runs inside the DHT process: reconnect to bootstrap peers and ping them, which also makes
-    them add us to their routing tables. A restarted coordinator (same identity and port) starts
-    with an empty table; this is how the swarm finds it again."""
-    from hivemind.p2p import PeerID
-    from hivemind.utils.multiaddr import Multiaddr
-
-    answered = 0
-    for maddr in maddrs:
-        try:
-            address, peer = maddr.rsplit("/p2p/", 1)
-            peer_id = PeerID.from_base58(peer)
-            await asyncio.wait_for(node.p2p._client.connect(peer_id, [Multiaddr(address)]), 5)
-            if await asyncio.wait_for(node.protocol.call_ping(peer_id), 5) is not None:
-                answered += 1
-        except Exception:  # unreachable now: the next round tries again
-            continue
-    return answered
-
-
-async def reconnect_bootstrap(dht: hivemind.DHT, maddrs: Sequence[str]) -> int:
-    """How many bootstrap peers answered (see :func:`_ping_bootstrap`)."""
-    if not maddrs:
-        return 0
-    future = dht.run_coroutine(functools.partial(_ping_bootstrap, list(maddrs)), return_future=True)
-    try:
-        return int(await asyncio.wait_for(future, 30))
-    except Exception as e:
-        log.debug("bootstrap reconnect failed: %s", e)
-        return 0
 
 
 OPEN = RecordAdmission()
@@ -334,6 +337,21 @@ class SwarmDHT:
 
     async def all_stages(self, num_stages: int) -> list[dict[str, StageRecord]]:
         return list(await asyncio.gather(*(self.stage_peers(s) for s in range(num_stages))))
+
+    # relays ------------------------------------------------------------------
+    async def announce_relay(self, record: RelayRecord, ttl: float) -> bool:
+        if self.security.cert_pem and not record.tls_cert:
+            record = record.model_copy(update={"tls_cert": self.security.cert_pem})
+        return await self._store(relays_key(self.run_id), record.model_dump(), ttl, self.owner_subkey, member=True)
+
+    async def relays(self) -> dict[str, RelayRecord]:
+        """Nodes that check reachability (and relay, where ``capacity`` > 0), by peer id."""
+        key = relays_key(self.run_id)
+        records = parse_subkeyed(RelayRecord, admitted(self.admission, key, await self._get(key)))
+        for record in records.values():
+            if record.tls_cert:
+                self.security.pins.learn(record.address, record.tls_cert)
+        return records
 
     # trainers, checkpoints, index -----------------------------------------------
     async def announce_trainer(self, record: TrainerRecord, ttl: float) -> bool:

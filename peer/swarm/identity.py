@@ -52,6 +52,17 @@ class Identity:
             self._tmpdir = ""
 
 
+def write_key_file(identity: Identity) -> str:
+    """A fresh throwaway copy of ``identity``'s key file (p2pd reads keys from files); the caller removes its
+    folder once p2pd has read it. For starting the same node again (the DHT in client mode)."""
+    tmpdir = tempfile.mkdtemp(prefix="swarmpipe-id-")
+    path = os.path.join(tmpdir, "identity.key")
+    der = identity.key.to_bytes()
+    with open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "wb") as f:
+        f.write(crypto_pb2.PrivateKey(key_type=crypto_pb2.RSA, data=der).SerializeToString())
+    return path
+
+
 def load_identity(path: str | None) -> Identity:
     """The key at ``path`` (created there when missing), or a fresh throwaway key when ``path`` is empty."""
     tmpdir = ""

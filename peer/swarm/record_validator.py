@@ -29,10 +29,12 @@ from swarmpipe.peer.swarm.records import (
     MAX_STAGES,
     RUNS_INDEX_KEY,
     CheckpointRecord,
+    RelayRecord,
     RunIndexRecord,
     StageRecord,
     TrainerRecord,
     checkpoint_key,
+    relays_key,
     spec_key,
     stage_key,
     trainer_key,
@@ -62,6 +64,7 @@ class RunRecordValidator(RecordValidatorBase):
             _key_id(spec_key(run_id)): (CONTROL, "spec"),
             _key_id(checkpoint_key(run_id)): (CONTROL, "checkpoint"),
             _key_id(trainer_key(run_id)): (MEMBER, "trainer"),
+            _key_id(relays_key(run_id)): (MEMBER, "relay"),
             _key_id(RUNS_INDEX_KEY): (INDEX, "index"),
         }
         for stage in range(MAX_STAGES):
@@ -127,9 +130,8 @@ def schema_problem(what: str, value: Any) -> str:
         if what == "spec":
             spec_from_dict(value)
         else:
-            cls = {"checkpoint": CheckpointRecord, "trainer": TrainerRecord, "stage": StageRecord}.get(
-                what, RunIndexRecord
-            )
+            kinds = {"checkpoint": CheckpointRecord, "trainer": TrainerRecord, "stage": StageRecord}
+            cls = {**kinds, "relay": RelayRecord}.get(what, RunIndexRecord)
             cls.model_validate(value)
     except (SpecError, ValidationError, TypeError, ValueError) as e:
         return str(e).splitlines()[0][:200]

@@ -5,6 +5,7 @@ Keys (values expire; the subkey is the owner's peer id):
   ``{run_id}.stage.{s}`` / peer id     -> :class:`StageRecord`
   ``{run_id}.trainer`` / peer id       -> :class:`TrainerRecord`
   ``{run_id}.checkpoint``              -> :class:`CheckpointRecord`
+  ``{run_id}.relays`` / peer id        -> :class:`RelayRecord` (nodes that check reachability and relay)
   ``swarmpipe.runs`` / run id          -> :class:`RunIndexRecord` (swarm-wide index of runs)
 Every subkey is ``b"<name>[owner:<public key>]"``, signed by that key (see :mod:`swarmpipe.peer.swarm.identity`);
 a record that is unsigned, signed by someone else or fails validation is skipped with a warning, never trusted.
@@ -45,6 +46,17 @@ MAX_VAL_LOSS = 1e4  # a trainer's validation loss in nats: finite, 0..MAX_VAL_LO
 MAX_VERSION = 1 << 53  # weight versions and steps: far beyond any run, exact in a float, far from int64 overflow
 _PEER_ID = r"^[1-9A-HJ-NP-Za-km-z]{1,64}$"  # base58, as libp2p writes peer ids
 _ADDRESS = re.compile(r"^[A-Za-z0-9_.:\-\[\]]{1,255}:\d{1,5}$")
+_OPTIONAL_PEER_ID = r"^([1-9A-HJ-NP-Za-km-z]{1,64})?$"
+
+
+def _dialable(value: str) -> str:
+    """host:port with a port in range and a host someone can dial (a wildcard bind address is not)."""
+    host, port = value.rsplit(":", 1)
+    if not 0 < int(port) < 65536:
+        raise ValueError(f"port {port} out of range")
+    if host.strip("[]") in ("0.0.0.0", "::", "0:0:0:0:0:0:0:0", ""):
+        raise ValueError(f"{host} is a wildcard bind address, not one to dial")
+    return value
 
 
 class PeerState(str, Enum):
@@ -77,6 +89,7 @@ class StageRecord(Record):
     device_memory_used: int = Field(ge=0, le=1 << 50, default=0)
     # --tls: the certificate the peer's gRPC server presents; clients pin it for ``address`` (one PEM, bounded)
     tls_cert: str = Field(default="", max_length=MAX_CERT_CHARS)
+    relay: str = Field(default="", pattern=_OPTIONAL_PEER_ID)  # the relay carrying our calls ('' = dialled directly)
 
     @field_serializer("state")
     def _state_as_string(self, state: PeerState) -> str:
@@ -85,10 +98,7 @@ class StageRecord(Record):
     @field_validator("address")
     @classmethod
     def _port_in_range(cls, value: str) -> str:
-        port = int(value.rsplit(":", 1)[1])
-        if not 0 < port < 65536:
-            raise ValueError(f"port {port} out of range")
-        return value
+        return _dialable(value)
 
     @field_validator("tls_cert")
     @classmethod
@@ -139,6 +149,32 @@ class CheckpointRecord(Record):
         return value
 
 
+class RelayRecord(Record):
+    """A node others may ask "can you dial me?" and, with ``capacity`` > 0, to relay them (peer/transport/relay_*)."""
+
+    address: str = Field(pattern=_ADDRESS.pattern)
+    capacity: int = Field(ge=0, le=10_000)  # peers it relays at most (0: it only checks reachability)
+    in_use: int = Field(ge=0, le=10_000)
+    rate_mbit: float = Field(ge=0, le=1e6, default=0.0)  # cap per relayed peer (0: none)
+    role: str = Field(default="peer", pattern=r"^(peer|coordinator)$")
+    tls_cert: str = Field(default="", max_length=MAX_CERT_CHARS)
+    updated_at: float
+
+    @field_validator("address")
+    @classmethod
+    def _address_dialable(cls, value: str) -> str:
+        return _dialable(value)
+
+    @field_validator("tls_cert")
+    @classmethod
+    def _tls_cert_parses(cls, value: str) -> str:
+        return check_cert_pem(value)
+
+    @property
+    def free(self) -> int:
+        return max(0, self.capacity - self.in_use)
+
+
 class RunIndexRecord(Record):
     run_id: str = Field(min_length=1, max_length=128)
     num_stages: int = Field(ge=1, le=MAX_STAGES)
@@ -160,6 +196,10 @@ def trainer_key(run_id: str) -> str:
 
 def checkpoint_key(run_id: str) -> str:
     return f"{run_id}.checkpoint"
+
+
+def relays_key(run_id: str) -> str:
+    return f"{run_id}.relays"
 
 
 R = TypeVar("R", bound=Record)

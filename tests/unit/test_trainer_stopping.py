@@ -94,14 +94,14 @@ async def test_the_stage_without_a_reachable_replica_is_named(trainer: Trainer, 
     monkeypatch.setattr(trainer_module, "UNREACHABLE_AFTER_S", 0.0)
     router = Router(3)
     router.update_stage(0, {"peer-a": _record("10.0.0.1:1000")})
-    router.update_stage(2, {"peer-c": _record("0.0.0.0:3000")})
+    router.update_stage(2, {"peer-c": _record("192.0.2.1:3000")})
     router.peers["peer-c"].failures = 2  # announced, but its calls fail (an address nobody can dial)
     watcher = asyncio.create_task(trainer._watch_replicas(router))
     await asyncio.sleep(1.3)
     notices = {f["stage"]: f for kind, f in trainer.emitted if kind == "no_reachable_replica"}
     assert set(notices) == {1, 2}
     assert notices[1]["announced"] == 0 and notices[1]["addresses"] == "-"
-    assert notices[2]["announced"] == 1 and notices[2]["failing"] == 1 and notices[2]["addresses"] == "0.0.0.0:3000"
+    assert notices[2]["announced"] == 1 and notices[2]["failing"] == 1 and notices[2]["addresses"] == "192.0.2.1:3000"
 
     router.peers["peer-c"].failures = 0  # a call succeeded
     await asyncio.sleep(1.1)
