@@ -27,6 +27,7 @@ EMA_DECAY = 0.8
 STALE_AFTER_S = 5.0  # a latency measured longer ago than this starts to fade
 STALE_HALF_LIFE_S = 10.0
 PROBE_AFTER_S = 15.0  # an idle replica gets one call this often, so its estimate stays current
+RELAYED_PRIOR = 1.5  # until measured, a relayed replica is expected this much slower than it reports
 REPROBE_AFTER_ANNOUNCE_S = 1.0  # a banned peer that announced itself again is tried this soon
 
 
@@ -47,6 +48,7 @@ class PeerView:
     last_seen: float = field(default_factory=time.monotonic)
     announced_at: float = 0.0  # the peer's own timestamp on its newest record (its clock, not ours)
     announced_at_ban: float = 0.0  # ... as it was when we banned it
+    relayed: bool = False  # reached through a relay (its record says so): one more hop than it measured
 
 
 class Router:
@@ -68,6 +70,7 @@ class Router:
                 view = PeerView(peer_id, stage, record.address)
                 self.peers[peer_id] = view
             view.state = record.state
+            view.relayed = bool(record.relay)
             view.reported_throughput = record.throughput
             view.reported_queue = record.queue
             view.last_seen = self.clock()
@@ -120,8 +123,8 @@ class Router:
         return target + weight * (view.latency_ema - target)
 
     def _unmeasured_estimate(self, view: PeerView) -> float:
-        if view.reported_throughput > 0:
-            return 1.0 / view.reported_throughput
+        if view.reported_throughput > 0:  # its own compute speed; a relay's extra hop is not in it
+            return (RELAYED_PRIOR if view.relayed else 1.0) / view.reported_throughput
         known = [v.latency_ema for v in self.replicas(view.stage) if v.latency_ema is not None]
         return 0.5 * min(known) if known else 0.01  # optimistic: make sure new peers get tried
 

@@ -381,3 +381,14 @@ def test_a_banned_peer_that_announces_again_is_retried_within_a_second() -> None
     r.started(view)
     r.failed(view)  # still failing: banned again, and the backoff goes on growing
     assert view.banned_until - clock.t == BAN_MAX_S
+
+
+def test_a_relayed_replica_pays_for_its_extra_hop_until_measured() -> None:
+    r = make_router()
+    relayed = rec(1, throughput=100).model_copy(update={"relay": "QmRe1ay"})
+    r.update_stage(0, {"relayed": relayed, "direct": rec(2, throughput=120)})
+    assert r.expected_finish(r.peers["relayed"]) == pytest.approx(1.5 / 100)
+    assert r.choose(0).peer_id == "direct"  # equal compute, one more hop
+    r.succeeded(r.peers["relayed"], 0.001)  # measured: what we saw counts, hop included
+    r.succeeded(r.peers["direct"], 0.005)
+    assert r.choose(0).peer_id == "relayed"
