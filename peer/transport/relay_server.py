@@ -8,7 +8,7 @@ calls: gRPC, TLS (end to end, with the relayed peer's own pinned certificate) an
 pass through untouched, and every caller works unchanged with the address the relayed peer announces.
 
 Bounded per relayed peer: ``max_connections`` open at once, ``rate_bytes_s`` forwarded (a token bucket over
-both directions); per relay: ``capacity`` tunnels. Each connection's memory is bounded by HTTP/2 flow
+both directions); per relay: ``capacity`` tunnels, ``max_per_host`` from one caller host. Each connection's memory is bounded by HTTP/2 flow
 control on its own stream plus one chunk.
 """
 
@@ -78,6 +78,7 @@ class RelayServicer:
         announce_host: str,
         rate_bytes_s: float = 0.0,
         max_connections: int = 32,
+        max_per_host: int = 4,
         checker=None,
         role: str = "peer",
         own_id: str = "",
@@ -89,7 +90,9 @@ class RelayServicer:
         self.max_connections = max_connections
         self.checker = checker
         self.tag = f"{role} {own_id[-6:]}" if own_id else role
-        self.tunnels: dict[str, _Tunnel] = {}
+        self.max_per_host = max_per_host
+        self.tunnels: dict[int, _Tunnel] = {}
+        self._serial = 0
 
     @property
     def in_use(self) -> int:
@@ -112,18 +115,23 @@ class RelayServicer:
         peer_id = first.peer_id
         if not _PEER_ID.match(peer_id):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "Tunnel: the first message must carry a peer id")
-        old = self.tunnels.get(peer_id)
-        if old is None and len(self.tunnels) >= self.capacity:
+        if len(self.tunnels) >= self.capacity:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"relay full: {self.capacity} peers relayed")
-        if old is not None:  # the peer reconnected: its new tunnel replaces the old one
-            await self._close(old)
-        tunnel = _Tunnel(peer_id, observed_host(context.peer() or ""), bucket=TokenBucket(self.rate_bytes_s))
+        host = observed_host(context.peer() or "")
+        if sum(t.host == host for t in self.tunnels.values()) >= self.max_per_host:  # one host cannot take them all
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{self.max_per_host} tunnels from {host} already")
+        # Keyed by a serial, not by the peer id it claims (unproven): a stranger naming a relayed peer's id
+        # gets a tunnel of its own and cannot close or take over the real one. A reconnecting peer opens a new
+        # tunnel; the old one ends when its stream does.
+        self._serial += 1
+        key = self._serial
+        tunnel = _Tunnel(peer_id, host, bucket=TokenBucket(self.rate_bytes_s))
         tunnel.listener = await asyncio.start_server(
             lambda r, w: self._accept(tunnel, r, w), self.host, 0, limit=CHUNK_BYTES
         )
         port = tunnel.listener.sockets[0].getsockname()[1]
         tunnel.address = join_host_port(self.announce_host, port)
-        self.tunnels[peer_id] = tunnel
+        self.tunnels[key] = tunnel
         log.info("%s relays peer %s at %s (%d/%d)", self.tag, peer_id[-6:], tunnel.address, self.in_use, self.capacity)
         reader = asyncio.ensure_future(self._drain_up(request_iterator, tunnel))
         try:
@@ -138,8 +146,7 @@ class RelayServicer:
                 yield message
         finally:
             reader.cancel()
-            if self.tunnels.get(peer_id) is tunnel:
-                del self.tunnels[peer_id]
+            self.tunnels.pop(key, None)
             await self._close(tunnel)
             log.info("%s stops relaying peer %s (%d bytes forwarded)", self.tag, peer_id[-6:], tunnel.forwarded_bytes)
 

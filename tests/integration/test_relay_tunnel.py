@@ -205,3 +205,26 @@ async def test_hostile_callers_get_clear_errors_and_the_relay_keeps_serving(node
     )
     assert info.peer_id == "QmRelay"  # still serving
     await tunnel.close()
+
+
+async def test_a_stranger_naming_a_relayed_peer_cannot_take_its_tunnel_and_one_host_cannot_take_them_all(nodes):
+    relay = await _node(nodes, "QmRelay", _relay(10, max_per_host=2))
+    target = await _node(nodes, PEER_ID, _relay(0))
+    real = RelayTunnel(relay.address, PEER_ID, "127.0.0.1", target.port)
+    address = await real.open()
+    serving = asyncio.ensure_future(real.run())
+    impostor = RelayTunnel(relay.address, PEER_ID, "127.0.0.1", _closed_port())  # claims the same peer id
+    try:
+        other = await impostor.open()
+        assert other != address
+        channel = grpc.aio.insecure_channel(address)
+        info = await swarm_pb2_grpc.StageStub(channel).Info(swarm_pb2.InfoRequest(), timeout=10)
+        assert info.peer_id == PEER_ID and not serving.done()  # the real tunnel still carries the real peer
+        await channel.close()
+        third = RelayTunnel(relay.address, "QmThird", "127.0.0.1", target.port)
+        with pytest.raises(Exception, match="RESOURCE_EXHAUSTED"):
+            await third.open()  # two tunnels from 127.0.0.1 already
+    finally:
+        serving.cancel()
+        await impostor.close()
+        await real.close()
