@@ -130,3 +130,14 @@ def test_the_validator_travels_into_the_dht_process(validator, keys) -> None:
 def test_a_run_needs_a_trusted_coordinator() -> None:
     with pytest.raises(ValueError, match="coordinator"):
         RunRecordValidator("r", set())
+
+
+def test_relay_records_only_under_their_signers_id_and_in_bounds(validator, keys) -> None:
+    from swarmpipe.peer.swarm.records import relays_key
+
+    peer, stranger = keys[1], keys[2]
+    good = {"address": "10.0.0.5:4000", "capacity": 4, "in_use": 0, "updated_at": 1.0}
+    assert validator.validate(record(relays_key("r"), peer.owner_subkey(), good))
+    assert not validator.validate(record(relays_key("r"), stranger.owner_subkey(peer.peer_id), good))
+    for bad in ({"address": "0.0.0.0:4000"}, {"capacity": -3}, {"in_use": 10**6}, {"role": "root"}):
+        assert not validator.validate(record(relays_key("r"), peer.owner_subkey(), {**good, **bad}))
