@@ -17,6 +17,8 @@ and the backward) and, with weight stashing, the snapshot the forward ran on. At
   ``D = live - stashed`` of every weight, weighted the same way: how far the weights moved between the
   forward that produced the gradient and now. Stashing makes it free (the snapshot is there anyway);
   without it (or for a gradient taken on the live weights: the last stage, replays) the drift is zero.
+  An averaging round's correction in between is part of the drift as well (it did move the weights);
+  the optimizer caps what it does with it relative to the gradient.
 """
 
 from __future__ import annotations

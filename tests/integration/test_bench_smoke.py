@@ -83,3 +83,36 @@ def test_gpu_bench_without_cuda_says_so_and_exits_0(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stderr[-3000:]
     assert "no CUDA device: bench/gpu.py measures GPU stages; nothing to do" in result.stdout
     assert not out.exists()
+
+
+def test_swarm_convergence_quick_trains_a_real_swarm_and_the_sync_reference(tmp_path: Path) -> None:
+    """``--quick``: one optimizer through a real 2-stage swarm (processes, gRPC, DHT) and the one-process
+    synchronous reference, every column filled (issue 16, item 5)."""
+    stdout, data = run_bench("swarm_convergence.py", "--quick", tmp_path=tmp_path)
+    sync, swarm = data["runs"]
+    assert sync["name"].startswith("sync") and swarm["name"] == "basis_rotation_dc"
+    assert swarm["completed"] == data["sizes"]["steps"] and swarm["lost"] == 0
+    for run in (sync, swarm):
+        assert run["eval_micro"][0] == 0 and run["eval_micro"][-1] == data["sizes"]["steps"], run
+        assert len(run["eval_losses"]) == len(run["eval_micro"]) == len(run["eval_wall_s"])
+        assert all(0 < loss < 10 for loss in run["eval_losses"])
+    assert len(swarm["optimizer_steps"]) == 2 and all(s > 0 for s in swarm["optimizer_steps"])
+    assert len(swarm["mean_delays"]) == 2 and swarm["mean_delays"][1] == 0  # the last stage's loss is fresh
+    assert "| run | val loss | vs sync | micro-batches to sync@half" in stdout
+
+
+def test_optimizer_cost_bench_measures_both_optimizers_and_the_bound(tmp_path: Path) -> None:
+    stdout, data = run_bench("optimizer_cost.py", "--widths", "16,32", "--repeats", "1", tmp_path=tmp_path)
+    assert [(r["width"], tuple(r["shape"]), r["max_dim"]) for r in data["rows"]] == [
+        (16, (16, 16), 0),
+        (16, (64, 16), 0),
+        (16, (64, 16), 16),
+        (32, (32, 32), 0),
+        (32, (128, 32), 0),
+        (32, (128, 32), 32),
+    ]
+    square, wide, bounded = data["rows"][:3]
+    assert abs(square["memory_ratio"] - 3.0) < 0.05 and wide["memory_ratio"] > bounded["memory_ratio"]
+    for row in data["rows"]:
+        assert row["adamw_step_s"] > 0 and row["rotation_amortised_s"] > 0 and row["first_eigh_s"] > 0, row
+    assert "| d | shape | bound |" in stdout
