@@ -100,11 +100,16 @@ class ChainCalls:
                 self.cooldown.pop(s, None)
 
     # ------------------------------------------------------------ the call
+    def _spread(self, view: PeerView) -> float:
+        return self.router.expected_finish(view) * (1.0 + 0.1 * self.router.rng.random())
+
     def route(self, stage: int) -> list[swarm_pb2.ChainCandidates]:
         """Candidates for every stage after ``stage``, best expected finish first; ChainBroken when a stage has none."""
         route = []
         for s in range(stage + 1, self.spec.num_stages):
-            views = sorted(self.router.available(s), key=self.router.expected_finish)[:MAX_CANDIDATES]
+            # jittered like the hub's choice, and counting our chains in flight through each replica (below):
+            # else every chain would name the same first candidate and its siblings would idle
+            views = sorted(self.router.available(s), key=self._spread)[:MAX_CANDIDATES]
             if not views:
                 raise ChainBroken(s, f"no live replica of stage {s} is known", unreachable=False)
             route.append(
@@ -135,6 +140,10 @@ class ChainCalls:
             reply_codec=self.calls.codec("gradients", view, x) if stage > 0 else "",
             hop_timeout_s=self.hop_timeout,
         )
+        firsts = [self.router.peers.get(c.hops[0].peer_id) for c in route]
+        downstream = [v for v in firsts if v is not None]
+        for v in downstream:  # the peer before tries its first candidate first: count it as ours in flight
+            v.in_flight += 1
         try:
             response = await self.calls.call(
                 view, "Chain", request, payloads=[payload, None], timeout=self.deadline(stage)
@@ -145,6 +154,9 @@ class ChainCalls:
                 raise
             view.in_flight = max(0, view.in_flight - 1)
             raise broken from None
+        finally:
+            for v in downstream:
+                v.in_flight = max(0, v.in_flight - 1)
         result = self._read(stage, x, response)
         self._chained_through(stage)
         return result
