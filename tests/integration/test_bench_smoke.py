@@ -116,3 +116,14 @@ def test_optimizer_cost_bench_measures_both_optimizers_and_the_bound(tmp_path: P
     for row in data["rows"]:
         assert row["adamw_step_s"] > 0 and row["rotation_amortised_s"] > 0 and row["first_eigh_s"] > 0, row
     assert "| d | shape | bound |" in stdout
+
+
+def test_relay_bench_measures_the_tunnel_direct_relayed_and_capped(tmp_path: Path) -> None:
+    """``--cases tunnel --quick``: a relay, a target and a tunnel in one process; every cell measured."""
+    stdout, data = run_bench("relay.py", "--cases", "tunnel", "--quick", tmp_path=tmp_path)
+    tunnel = data["tunnel"]
+    assert all(tunnel["rtt_ms"][k] > 0 for k in ("direct", "relayed", "relayed_capped"))
+    for size, row in tunnel["mb_s"].items():
+        assert int(size) > 0 and all(row[k] > 0 for k in ("direct", "relayed", "relayed_capped")), row
+        assert all(r > 0 for r in row["ratio_relayed_direct"])
+    assert "relayed" in stdout
