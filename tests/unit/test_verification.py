@@ -249,10 +249,12 @@ async def test_a_trainers_first_checks_of_a_stage_only_log_their_failures() -> N
     view = router.peers["a"]
     y = await replicas.forward(view, 0, "mb", tokens)
     for _ in range(2):
-        await verifier.check_output(view, 0, tokens, y)  # a young run moves fast: no verdict yet
+        with pytest.raises(Disputed):  # a young run moves fast: no strike yet, but the answer is redone elsewhere
+            await verifier.check_output(view, 0, tokens, y)
     assert verifier.strikes == {} and verifier.stats.graced == 2
     with pytest.raises(Disputed):
         await verifier.check_output(view, 0, tokens, y)
+    assert verifier.strikes == {"a": 1}
 
 
 async def test_a_graced_outvote_is_not_learned_as_an_honest_spread() -> None:
@@ -262,5 +264,35 @@ async def test_a_graced_outvote_is_not_learned_as_an_honest_spread() -> None:
     tokens, _ = batch(spec)
     view = router.peers["a"]
     y = await replicas.forward(view, 0, "mb", tokens)
-    await verifier.check_output(view, 0, tokens, y)  # graced: logged, no strike, no Disputed
+    with pytest.raises(Disputed, match="outvoted"):  # graced: logged, no strike, still not passed on
+        await verifier.check_output(view, 0, tokens, y)
     assert verifier.stats.graced == 1 and verifier.stats.inconclusive == 0 and not verifier.outputs[0].seen
+
+
+async def test_a_burst_of_failures_among_passes_is_struck_but_not_banned_while_a_liar_is() -> None:
+    """Ban evidence: an honest replica whose inputs were poisoned failed three checks in a row between many passes
+    (the Byzantine integration test); a liar fails nearly every check."""
+    spec, replicas, router, verifier = setup({"a": (HONEST, HONEST)}, {"z": (HONEST, HONEST), "q": (FLIP, HONEST)})
+    verifier.ban_after = 3
+    tokens, targets = batch(spec)
+    x = replicas.peers["a"][0].evaluate(tokens)
+    honest, liar = router.peers["z"], router.peers["q"]
+    for round_ in range(6):
+        loss, grad, _ = await replicas.forward_backward(honest, 1, f"ok{round_}", x, targets)
+        await verifier.check_gradient(honest, 1, x, grad, targets=targets, loss=loss)
+    for round_ in range(3):  # three wrong answers in a row (here: flipped) after six good ones
+        loss, grad, _ = await replicas.forward_backward(honest, 1, f"bad{round_}", x, targets)
+        with pytest.raises(Disputed):
+            await verifier.check_gradient(honest, 1, x, -grad, targets=targets, loss=loss)
+    assert verifier.strikes == {"z": 3} and "z" not in verifier.banned, "3 of its last 9 failed: struck, not banned"
+    for round_ in range(3):
+        loss, grad, _ = await replicas.forward_backward(liar, 1, f"lie{round_}", x, targets)
+        with pytest.raises(Disputed):
+            await verifier.check_gradient(liar, 1, x, grad, targets=targets, loss=loss)
+    assert "q" in verifier.banned and router.available(1) == [honest]
+    for round_ in range(3):  # the honest replica goes on failing: once most of its recent checks fail, it goes too
+        loss, grad, _ = await replicas.forward_backward(honest, 1, f"worse{round_}", x, targets)
+        with pytest.raises(Disputed):
+            await verifier.check_gradient(honest, 1, x, -grad, targets=targets, loss=loss)
+    assert "z" in verifier.banned
+    assert len(verifier.recent["z"]) == 10, "only the last RECENT_CHECKS outcomes are kept"
