@@ -98,7 +98,7 @@ class TrainerConfig(CommonConfig):
     eval_batches: int = opt(4, "held-out micro-batches in the validation set")
     call_timeout: float = opt(30.0, "deadline for each stage call, seconds")
     route: str = opt(
-        "hub",
+        "chain",
         "how a micro-batch travels: chain (peer to peer; the trainer sends tokens, gets the loss) | hub (every hop "
         "through the trainer); also `route` in a --config file's [transport] table",
     )

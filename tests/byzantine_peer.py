@@ -2,7 +2,8 @@
 
 Run as a LocalSwarm ``prefix``: ``python tests/byzantine_peer.py MODE -- <the usual peer command>``. The peer
 joins, loads state, averages and announces like any other; only the tensors it returns from training calls
-(a Forward's output, a Backward's or ForwardBackward's input gradient) are corrupted, so forward-only calls
+(a Forward's output, a Backward's or ForwardBackward's input gradient; in a chain, the output it passes on and the
+input gradient it returns) are corrupted, so forward-only calls
 (validation, a second opinion, verification probes) get honest answers, as a careful attacker would give.
 
 MODE: ``noise`` (adds Gaussian noise as large as the tensor), ``flip`` (negates it), ``scale`` (x10).
@@ -49,7 +50,14 @@ def install(mode: str) -> None:
 
         return wrapped
 
+    chain_next = servicer._chain_next
+
+    async def lying_chain_next(self, request, out, targets, route, hop_timeout):
+        return await chain_next(self, request, corrupt(out).to(out.dtype), targets, route, hop_timeout)
+
     servicer._encode = lying_encode
+    servicer._chain_next = lying_chain_next  # a chained output goes straight to the next stage: lie there too
+    servicer.Chain = marking(servicer.Chain, lambda r: True)  # and on the input gradient a chain returns
     servicer.Forward = marking(servicer.Forward, lambda r: not r.evaluate)
     servicer.ForwardBackward = marking(servicer.ForwardBackward, lambda r: not r.evaluate)
     servicer.Backward = marking(servicer.Backward, lambda r: True)
