@@ -26,7 +26,9 @@ def test_byzantine_peer_joins_and_is_banned(scenario):
     st = sc.stack
     bring_up(sc)
     honest = st.peer_ids()
-    steps = start_training(sc, 150)
+    # 60 s at the suite's first estimate (60 micro-batches/s); with a quarter of the micro-batches verified (the hub
+    # way, every stage checked) this swarm trains at about 21/s, so ~170 s: the ban came 32 s after the join.
+    steps = start_training(sc, 60)
     liar = st.add_byzantine("peer0", "noise")
     t0 = time.monotonic()
     try:
