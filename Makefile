@@ -20,7 +20,7 @@ demo: setup
 test: setup
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
-	$(BIN)/python -m pytest tests -m "not compose" -q
+	$(BIN)/python -m pytest tests -m "not compose" -q --durations=15
 
 # Apply ruff's fixes and formatting.
 format: setup
