@@ -35,7 +35,9 @@ import logging
 import math
 import random
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -68,7 +70,9 @@ LOSS_TOLERANCE = 0.5  # a last stage's reported loss vs its function: honest one
 MAX_REPORTED_BANS = 32
 # A ban needs most of the replica's last RECENT_CHECKS judged checks failed (see ReplicaVerifier.strike).
 RECENT_CHECKS = 10
-MAX_TRACKED = 10_000  # replicas whose strikes and recent outcomes are kept: bounded however many peers lie
+MAX_TRACKED = 10_000  # replicas whose strikes, outcomes and skips are kept: bounded however many peers lie
+
+T = TypeVar("T")
 
 
 class Disputed(WireError):
@@ -168,17 +172,19 @@ class ReplicaVerifier:
             reason = f"its training output differs from its own forward-only answer by {difference:.3g}"
             self.strike(view, stage, reason)
             raise Disputed(f"stage {stage} output failed verification: {reason}")
-        await self._compare_with_others(view, stage, x, y)
+        await self._compare_with_others(view, stage, x, y)  # raises Disputed when view is outvoted
+        self._record(view.peer_id, True)
 
     async def _compare_with_others(self, view: PeerView, stage: int, x: torch.Tensor, y: torch.Tensor) -> None:
         """The second half of an output check: ``view`` passed against itself; now against its siblings."""
         others = self.router.available(stage, exclude={view.peer_id})
         self.rng.shuffle(others)
         second = await self._answer(others[0], stage, x) if others else None
+        if second is None:
+            return
         tolerance = self.outputs[stage]
-        difference = relative_difference(y, second) if second is not None else 0.0
-        if second is None or tolerance.agrees(difference):
-            self._record(view.peer_id, True)
+        difference = relative_difference(y, second)
+        if tolerance.agrees(difference):
             return
         self.stats.disputes += 1
         detail = f"outputs differ by {difference:.3g} (tolerance {tolerance.limit():.3g})"
@@ -191,12 +197,10 @@ class ReplicaVerifier:
                 raise Disputed(f"stage {stage} output failed verification: outvoted by two replicas")
             if ours <= limit < theirs:
                 self.strike(others[0], stage, f"{detail}; it alone disagrees with two replicas")
-                self._record(view.peer_id, True)
                 return
         # Two replicas, or three that all differ: honest replicas drift apart between averaging rounds, and
         # nothing here says who is right. Learn the spread; say so.
         self.stats.inconclusive += 1
-        self._record(view.peer_id, True)  # nothing says it lied
         tolerance.widen(difference)
         self.events.emit(
             "verification_inconclusive",
@@ -288,9 +292,7 @@ class ReplicaVerifier:
         """Whether the check's answer came from weights close enough to the training answer's to judge it: at
         most ``MAX_VERSION_GAP`` updates later. A replica whose checks keep landing further (it claims versions
         that race ahead) is struck as unverifiable: skipping must not be a way out."""
-        if view.peer_id not in self.skips and len(self.skips) >= MAX_TRACKED:
-            self.skips.pop(next(iter(self.skips)))
-        record = self.skips.setdefault(view.peer_id, [0, 0])
+        record = _slot(self.skips, view.peer_id, lambda: [0, 0])
         record[0] += 1
         if self._close(view, before):
             self.stats.checks += 1
@@ -327,9 +329,7 @@ class ReplicaVerifier:
             return
         self.stats.strikes += 1
         self._record(view.peer_id, False)
-        count = self.strikes[view.peer_id] = self.strikes.get(view.peer_id, 0) + 1
-        while len(self.strikes) > MAX_TRACKED:
-            self.strikes.pop(next(iter(self.strikes)))
+        count = self.strikes[view.peer_id] = _slot(self.strikes, view.peer_id, int) + 1
         failing, judged = self._recent_failures(view.peer_id)
         self.events.emit(
             "verification_failed",
@@ -351,12 +351,7 @@ class ReplicaVerifier:
 
     def _record(self, peer_id: str, passed: bool) -> None:
         """One judged check's outcome, kept for the last ``RECENT_CHECKS`` per replica (bounded replicas)."""
-        outcomes = self.recent.get(peer_id)
-        if outcomes is None:
-            while len(self.recent) >= MAX_TRACKED:
-                self.recent.pop(next(iter(self.recent)))
-            outcomes = self.recent[peer_id] = deque(maxlen=RECENT_CHECKS)
-        outcomes.append(passed)
+        _slot(self.recent, peer_id, lambda: deque(maxlen=RECENT_CHECKS)).append(passed)
 
     def _recent_failures(self, peer_id: str) -> tuple[int, int]:
         outcomes = self.recent.get(peer_id, ())
@@ -364,6 +359,15 @@ class ReplicaVerifier:
 
     def _id(self) -> str:
         return f"verify-{next(self._ids)}"
+
+
+def _slot(table: dict, key: str, make: Callable[[], T]) -> T:
+    """``table[key]``, made by ``make`` when missing; beyond ``MAX_TRACKED`` keys the oldest goes first."""
+    if key not in table:
+        while len(table) >= MAX_TRACKED:
+            table.pop(next(iter(table)))
+        table[key] = make()
+    return table[key]
 
 
 def _lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> float:
