@@ -16,6 +16,9 @@ from swarmpipe.protos import swarm_pb2, swarm_pb2_grpc
 def _security(cfg: HealthcheckConfig) -> Security:
     """A private swarm's peer answers only calls with credentials (its token, or the signature of a key on its
     allow-list), and with --tls only over TLS to the certificate it serves."""
+    if not (cfg.auth_token or cfg.auth_token_file or cfg.identity):
+        # Open swarm: skip the credential modules, which import hivemind (3 s of a probe that runs every few seconds).
+        return _with_pinned_cert(Security(require_tls=bool(cfg.tls_cert)), cfg)
     from swarmpipe.peer.swarm.access import key_credentials, read_token, token_credentials
     from swarmpipe.peer.swarm.identity import load_identity
 
@@ -25,7 +28,10 @@ def _security(cfg: HealthcheckConfig) -> Security:
         credentials = token_credentials(token)
     elif cfg.identity:
         credentials = key_credentials(load_identity(cfg.identity))
-    security = Security(credentials=credentials, require_tls=bool(cfg.tls_cert))
+    return _with_pinned_cert(Security(credentials=credentials, require_tls=bool(cfg.tls_cert)), cfg)
+
+
+def _with_pinned_cert(security: Security, cfg: HealthcheckConfig) -> Security:
     if cfg.tls_cert:
         with open(cfg.tls_cert) as f:
             if not security.pins.learn(cfg.address, f.read()):

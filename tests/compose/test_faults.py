@@ -17,6 +17,7 @@ Replicas: 2 per stage, so a stage keeps a live replica while the other one is fa
 from __future__ import annotations
 
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from compose_harness import HarnessError, wait_until
@@ -223,13 +224,15 @@ def test_partition_and_heal(scenario):
 # ---------------------------------------------------------------- 5
 def _peer_versions(st) -> dict[str, int]:
     """Each peer's version, asked over gRPC (works with the coordinator down)."""
-    versions = {}
-    for cid in st.peer_ids():
+
+    def ask(cid: str) -> tuple[str, str]:
         info = st.ready(cid)
-        out = st.exec(cid, "swarmpipe", "healthcheck", "--address", info["address"], check=False)
-        if " version " in out:
-            versions[info["peer_id"]] = int(out.split(" version ")[1].split()[0])
-    return versions
+        return info["peer_id"], st.exec(cid, "swarmpipe", "healthcheck", "--address", info["address"], check=False)
+
+    # All at once: asked one by one, the probes took long enough on a slow CI machine for the trainer to finish.
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        answers = list(pool.map(ask, st.peer_ids()))
+    return {pid: int(out.split(" version ")[1].split()[0]) for pid, out in answers if " version " in out}
 
 
 @pytest.mark.timeout(600)
@@ -246,11 +249,12 @@ def test_coordinator_restart(scenario):
     st.stop(coordinator)
     sc.note("coordinator stopped")
     time.sleep(15)
+    trainer_running = st.running(st.ids("trainer")[0])
     after = _peer_versions(st)
     advanced = [pid for pid, v in after.items() if v > before.get(pid, 0)]
     sc.check(
         "training went on without the coordinator",
-        len(advanced) >= 2 and st.running(st.ids("trainer")[0]),
+        len(advanced) >= 2 and trainer_running,
         f"{len(advanced)}/{len(after)} peers' versions advanced while it was down",
     )
     st.start(coordinator)
