@@ -114,6 +114,9 @@ class OptimizerSpec:
     # basis_rotation: a matrix side longer than this keeps the identity basis (no m x m factors: bounds the
     # state at 2mn + 2 min(m, n)^2 for very wide matrices); 0: rotate every side
     rotation_max_dim: int = 0
+    # basis_rotation: storage of its m x m / n x n factors and bases: float32 | bfloat16 (half their memory;
+    # the EMAs are rounded stochastically; bench/CONVERGENCE.md "Cost at scale" has the effect on loss)
+    rotation_factor_dtype: str = "float32"
 
 
 @dataclass
@@ -292,6 +295,10 @@ class RunSpec:
         if not (0 <= o.delay_weight_power <= 8 and 0 <= o.delay_compensation <= 100 and 0 < o.compensation_cap <= 100):
             raise SpecError(
                 "optimizer: delay_weight_power must be in [0, 8], delay_compensation in [0, 100], compensation_cap in (0, 100]"
+            )
+        if o.rotation_factor_dtype not in ("float32", "bfloat16"):
+            raise SpecError(
+                f"optimizer.rotation_factor_dtype must be float32 or bfloat16, got {str(o.rotation_factor_dtype)[:40]!r}"
             )
         if not 0 <= o.rotation_max_dim <= 1 << 20:
             raise SpecError(f"optimizer.rotation_max_dim = {o.rotation_max_dim} is outside the sane range 0..{1 << 20}")

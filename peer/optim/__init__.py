@@ -92,6 +92,7 @@ def build_optimizer(
             max_dim=spec.rotation_max_dim,
             compensation=spec.delay_compensation,
             compensation_cap=spec.compensation_cap,
+            factor_dtype=spec.rotation_factor_dtype,
         )
     raise ValueError(f"optimizer kind {spec.kind!r} is not available")
 

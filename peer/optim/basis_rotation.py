@@ -39,6 +39,15 @@ bench's block (width 64: qkv 192x64, proj 64x64, fc 256x64, fc_out 64x256) that 
 identity basis and no factor (one-sided rotation), so a 4d x d MLP matrix costs
 ``2mn + 2d^2`` instead of ``2mn + 34 d^2`` (bench/optimizer_cost.py).
 
+Lower-precision factors (``factor_dtype="bfloat16"``, ``OptimizerSpec.rotation_factor_dtype``): L, R and
+both bases are stored in bfloat16 and computed on in the parameter's dtype, which halves the 2m^2 + 2n^2
+part of the state (what travels on joins, drains and checkpoints). L and R are EMAs with beta2 = 0.999: a
+bfloat16 value (8 significant bits) rounded to nearest would never move by a relative 1e-3 per step, so after
+a few hundred steps the factors would freeze. They are written back with stochastic rounding (unbiased: the
+expected stored value is the float32 one), from a generator of the optimizer's own so the global RNG stream
+is untouched. The bases are recomputed from the factors at each refresh, not accumulated, so they round to
+nearest; their orthogonality error is about 2^-9 / sqrt(m) per entry of Q^T Q.
+
 Delay compensation (issue 16, 3c; ``compensation`` = lambda > 0, with weight stashing): the
 runtime tells the optimizer each matrix's drift ``D = W_live - W_stashed`` (weighted over the
 step's gradients, :mod:`swarmpipe.peer.optim.accumulate`) before the step. A delayed gradient
@@ -87,6 +96,22 @@ def _sorted_eigh(m: torch.Tensor) -> torch.Tensor:
     return vecs.flip(-1).to(device=m.device, dtype=m.dtype).contiguous()
 
 
+FACTOR_DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def stochastic_round_bf16(x: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """float32 -> bfloat16, rounding up or down at random in proportion to the distance (unbiased).
+
+    bfloat16 is float32's upper 16 bits: adding uniform noise in [0, 2^16) to the lower 16 bits of the
+    magnitude and dropping them rounds the magnitude up with probability (dropped bits) / 2^16, for both
+    signs (float bits are sign and magnitude)."""
+    bits = x.detach().to(torch.float32).contiguous().view(torch.int32)
+    noise = torch.randint(0, 1 << 16, bits.shape, generator=generator, device=bits.device, dtype=torch.int32)
+    rounded = (bits + noise).bitwise_and_(-65536)  # -65536 == ~0xFFFF: clear the lower 16 bits
+    finite = torch.isfinite(x)  # inf / nan keep their bits (noise could turn inf into nan)
+    return torch.where(finite, rounded.view(torch.float32), x.to(torch.float32)).to(torch.bfloat16)
+
+
 def _power_step(m: torch.Tensor, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """One power-iteration step (the reference's order): sort the old basis by its estimated
     eigenvalues, then re-orthogonalise ``M Q``; returns (new basis, permutation)."""
@@ -113,7 +138,10 @@ class BasisRotationAdam(torch.optim.Optimizer):
         max_dim: int = 0,
         compensation: float = 0.0,
         compensation_cap: float = 3.0,
+        factor_dtype: str = "float32",
     ) -> None:
+        if factor_dtype not in FACTOR_DTYPES:
+            raise ValueError(f"factor_dtype must be one of {', '.join(FACTOR_DTYPES)}, got {factor_dtype!r}")
         if init_basis not in ("eigh", "identity"):
             raise ValueError(f"init_basis must be 'eigh' or 'identity', got {init_basis!r}")
         if rotation_every < 0:
@@ -129,8 +157,10 @@ class BasisRotationAdam(torch.optim.Optimizer):
             max_dim=max_dim,
             compensation=compensation,
             compensation_cap=compensation_cap,
+            factor_dtype=factor_dtype,
         )
         super().__init__(params, defaults)
+        self._rounding: torch.Generator | None = None  # stochastic rounding of bfloat16 factors, made on first use
         self._drift: dict[torch.Tensor, torch.Tensor] = {}  # parameter -> live - stashed, for the next step only
         for group in self.param_groups:
             if group["rotate"] and any(p.dim() != 2 for p in group["params"]):
@@ -174,8 +204,7 @@ class BasisRotationAdam(torch.optim.Optimizer):
         p.addcdiv_(state["exp_avg"], denom, value=-lr / (1.0 - beta1**step))
 
     def _rotated_step(self, p: torch.Tensor, group: dict[str, Any]) -> None:
-        beta1, beta2 = group["betas"]
-        lr, eps, wd, every = group["lr"], group["eps"], group["weight_decay"], group["rotation_every"]
+        beta2, every = group["betas"][1], group["rotation_every"]
         grad = p.grad
         state = self.state[p]
         first = not state
@@ -192,6 +221,13 @@ class BasisRotationAdam(torch.optim.Optimizer):
         state["step"] = step = float(state["step"]) + 1.0
         v = state["exp_avg_sq"]
         left, right = "q_left" in state, "q_right" in state
+        # "float32" keeps the factors in the parameter's dtype; with bfloat16 weights they follow the weights
+        stored = FACTOR_DTYPES[group.get("factor_dtype", "float32")]
+        narrow = stored == torch.bfloat16 and p.dtype in (torch.float32, torch.float64)
+        if narrow:  # compute on wide copies (a loaded state_dict arrives in the parameter's dtype)
+            for key in ("gg_left", "gg_right", "q_left", "q_right"):
+                if key in state:
+                    state[key] = state[key].to(p.dtype)
         if left:
             state["gg_left"].mul_(beta2).addmm_(grad, grad.T, alpha=1.0 - beta2)
         if right:
@@ -209,6 +245,29 @@ class BasisRotationAdam(torch.optim.Optimizer):
             if right:
                 state["q_right"], order = _power_step(state["gg_right"], state["q_right"])
                 v.copy_(v[:, order])
+        self._rotated_update(p, state, group, grad, step)
+        if narrow:
+            self._store_factors(p, state, stored)
+
+    def _store_factors(self, p: torch.Tensor, state: dict[str, Any], stored: torch.dtype) -> None:
+        """Factors back to their storage dtype: stochastic rounding for the EMAs, nearest for the bases."""
+        if self._rounding is None or self._rounding.device != p.device:
+            self._rounding = torch.Generator(device=p.device)
+            self._rounding.manual_seed(0x5EED)
+        for key in ("gg_left", "gg_right"):
+            if key in state:
+                state[key] = stochastic_round_bf16(state[key], self._rounding).to(stored)
+        for key in ("q_left", "q_right"):
+            if key in state:
+                state[key] = state[key].to(stored)
+
+    def _rotated_update(
+        self, p: torch.Tensor, state: dict[str, Any], group: dict[str, Any], grad: torch.Tensor, step: float
+    ) -> None:
+        """Moments and weight step in the current basis (factors already up to date, in compute dtype)."""
+        beta1, beta2 = group["betas"]
+        lr, eps, wd = group["lr"], group["eps"], group["weight_decay"]
+        v = state["exp_avg_sq"]
         grad_rot = self._rotate(state, grad)
         drift = self._drift.get(p)
         if drift is not None and group.get("compensation", 0.0) > 0 and step > 1 and lr > 0:

@@ -107,18 +107,22 @@ def shape_stage(spec: RunSpec, stage: int) -> nn.Module:
         return build_stage(spec, stage, empty=True)
 
 
-def optimizer_bytes(named: list[tuple[str, nn.Parameter]], kind: str, weights_bytes: int, max_dim: int = 0) -> int:
+def optimizer_bytes(
+    named: list[tuple[str, nn.Parameter]], kind: str, weights_bytes: int, max_dim: int = 0, factor_bytes: int = 0
+) -> int:
     """Steady-state optimizer state of the trainable ``named`` parameters (states in the weights' dtype).
 
     * adamw (torch AdamW): exp_avg and exp_avg_sq per element, plus a float32 step tensor per parameter;
     * nesterov (PipelineNesterov): exp_avg and exp_avg_sq; its step and mu_product are plain floats;
     * basis_rotation (BasisRotationAdam): for a rotated m x n matrix the two moments (2 m n), the gradient
       covariances gg_left, gg_right (m^2 + n^2) and the eigenbases q_left, q_right (m^2 + n^2), a side
-      longer than ``max_dim`` (rotation_max_dim, 0: none) leaving out its two; every other parameter the
-      two AdamW moments (its step is a plain float).
+      longer than ``max_dim`` (rotation_max_dim, 0: none) leaving out its two, each of ``factor_bytes``
+      (rotation_factor_dtype; 0: the weights'); every other parameter the two AdamW moments (its step is a
+      plain float).
     """
     elements = 0
     extra = 0
+    factor_bytes = factor_bytes or weights_bytes
     for name, p in named:
         if not p.requires_grad:
             continue
@@ -127,7 +131,7 @@ def optimizer_bytes(named: list[tuple[str, nn.Parameter]], kind: str, weights_by
             extra += ADAMW_STEP_BYTES
         elif kind == "basis_rotation" and is_rotated_param(name, p):
             m, n = p.shape
-            elements += 2 * sum(k * k for k in (m, n) if not max_dim or k <= max_dim)
+            extra += factor_bytes * 2 * sum(k * k for k in (m, n) if not max_dim or k <= max_dim)
         elif kind not in ("adamw", "nesterov", "basis_rotation"):
             raise ValueError(f"unknown optimizer kind {kind!r}")
     return elements * weights_bytes + extra
@@ -222,7 +226,13 @@ def estimate_stage_memory(
     return MemoryEstimate(
         weights=sum(p.numel() for _, p in named) * weights_bytes,
         grads=trainable * weights_bytes,
-        optimizer=optimizer_bytes(named, spec.optimizer.kind, weights_bytes, spec.optimizer.rotation_max_dim),
+        optimizer=optimizer_bytes(
+            named,
+            spec.optimizer.kind,
+            weights_bytes,
+            spec.optimizer.rotation_max_dim,
+            2 if spec.optimizer.rotation_factor_dtype == "bfloat16" else weights_bytes,
+        ),
         stash=stash_versions * trainable * weights_bytes,
         activations=_activation_bytes(spec, module, in_flight, activation_bytes or weights_bytes),
         stage=stage,

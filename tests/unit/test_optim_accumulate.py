@@ -177,6 +177,9 @@ def test_last_stage_and_replays_have_no_drift() -> None:
         ("rotation_max_dim", 2.5),
         ("rotation_max_dim", 1 << 40),
         ("rotation_max_dim", "64" * 1000),
+        ("rotation_factor_dtype", "float16"),
+        ("rotation_factor_dtype", "x" * 10_000),
+        ("rotation_factor_dtype", 16),
     ],
 )
 def test_hostile_optimizer_fields_are_refused(field: str, value: object) -> None:
