@@ -141,6 +141,7 @@ class RunConfig:
     delay_compensation: float = 0.0  # OptimizerSpec.delay_compensation (3c)
     rotation_max_dim: int = 0  # OptimizerSpec.rotation_max_dim (item 6: one-sided rotation)
     rotation_every: int = 10  # OptimizerSpec.rotation_every (item 6: a slower refresh)
+    rotation_factor_dtype: str = "float32"  # OptimizerSpec.rotation_factor_dtype (item 6: lower-precision factors)
 
     @property
     def label(self) -> str:
@@ -162,6 +163,7 @@ def delay_aware_set(seeds: tuple[int, ...], delays: str, compensation: float, po
             runs += [
                 replace(br, name="async_basis_rotation_onesided64", rotation_max_dim=64),
                 replace(br, name="async_basis_rotation_f50", rotation_every=50),
+                replace(br, name="async_basis_rotation_bf16factors", rotation_factor_dtype="bfloat16"),
             ]
         else:
             runs += [
@@ -208,6 +210,7 @@ def make_spec(cfg: RunConfig, setting: Setting, vocab_size: int = 256) -> RunSpe
         delay_compensation=cfg.delay_compensation,
         rotation_max_dim=cfg.rotation_max_dim,
         rotation_every=cfg.rotation_every,
+        rotation_factor_dtype=cfg.rotation_factor_dtype,
     )
     model = ModelSpec(vocab_size=vocab_size, d_model=64, n_layers=8, n_heads=4, seq_len=64)
     return RunSpec(num_stages=cfg.stages, seed=cfg.seed, microbatch_size=16, model=model, optimizer=opt).validate()

@@ -15,7 +15,9 @@ For a transformer block of width d the rotated matrices are d x d (attention pro
 * the matrix's own forward + backward over one micro-batch of 16 x 64 tokens, to put the optimizer's
   time in proportion;
 * the same for the bound ``rotation_max_dim = d`` (a side longer than d keeps the identity basis: only
-  the d-wide side of the MLP matrices rotates), which caps the state at 2mn + 2d^2.
+  the d-wide side of the MLP matrices rotates), which caps the state at 2mn + 2d^2;
+* the same for ``rotation_factor_dtype = "bfloat16"`` (factors and bases stored in bfloat16, the EMAs
+  stochastically rounded; computed in float32), which halves the 2m^2 + 2n^2 part.
 """
 
 from __future__ import annotations
@@ -54,7 +56,7 @@ def state_bytes(opt: torch.optim.Optimizer) -> int:
     return sum(v.numel() * v.element_size() for s in opt.state.values() for v in s.values() if torch.is_tensor(v))
 
 
-def measure(m: int, n: int, max_dim: int, repeats: int, max_eigh: int) -> dict:
+def measure(m: int, n: int, max_dim: int, repeats: int, max_eigh: int, factors: str = "float32") -> dict:
     gen = torch.Generator().manual_seed(0)
     grad = torch.randn(m, n, generator=gen) * 1e-2
     p_adam = torch.nn.Parameter(torch.randn(m, n, generator=gen) * 0.02)
@@ -67,7 +69,9 @@ def measure(m: int, n: int, max_dim: int, repeats: int, max_eigh: int) -> dict:
     t_adam = timed(adam_step, repeats)
     p = torch.nn.Parameter(p_adam.detach().clone())
     # identity start (no eigh) and no automatic refresh: the step and the refresh are timed apart
-    opt = BasisRotationAdam([p], lr=1e-3, rotate=True, init_basis="identity", rotation_every=0, max_dim=max_dim)
+    opt = BasisRotationAdam(
+        [p], lr=1e-3, rotate=True, init_basis="identity", rotation_every=0, max_dim=max_dim, factor_dtype=factors
+    )
     p.grad = grad.clone()
     t_step = timed(opt.step, repeats)
     group = opt.param_groups[0]
@@ -95,6 +99,7 @@ def measure(m: int, n: int, max_dim: int, repeats: int, max_eigh: int) -> dict:
     return {
         "shape": [m, n],
         "max_dim": max_dim,
+        "factor_dtype": factors,
         "adamw_state_bytes": state_bytes(adam),
         "rotation_state_bytes": state_bytes(opt),
         "memory_ratio": round(state_bytes(opt) / state_bytes(adam), 2),
@@ -127,12 +132,14 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     for d in (int(w) for w in args.widths.split(",")):
         for m, n in ((d, d), (4 * d, d)):
-            for bound in (0, d) if m != n else (0,):
-                row = {"width": d, **measure(m, n, bound, args.repeats, args.max_eigh)}
+            bounds = [(0, "float32"), (0, "bfloat16")] + ([(d, "float32")] if m != n else [])
+            for bound, factors in bounds:
+                row = {"width": d, **measure(m, n, bound, args.repeats, args.max_eigh, factors)}
                 rows.append(row)
                 eigh = "-" if row["first_eigh_s"] is None else f"{row['first_eigh_s']:.2f}"
+                label = "one-sided" if bound else ("bf16 factors" if factors == "bfloat16" else "none")
                 print(
-                    f"| {d} | {m}x{n} | {'one-sided' if bound else 'none'} | {row['memory_ratio']}x "
+                    f"| {d} | {m}x{n} | {label} | {row['memory_ratio']}x "
                     f"| {row['adamw_state_bytes'] / 2**20:.1f} / {row['rotation_state_bytes'] / 2**20:.1f} "
                     f"| {row['adamw_step_s'] * 1e3:.2f} | {row['rotation_step_s'] * 1e3:.1f} / "
                     f"{row['refresh_step_s'] * 1e3:.0f} | {row['time_ratio']}x | {eigh} "
