@@ -101,18 +101,18 @@ def test_swarm_convergence_quick_trains_a_real_swarm_and_the_sync_reference(tmp_
     assert "| run | val loss | vs sync | micro-batches to sync@half" in stdout
 
 
-def test_optimizer_cost_bench_measures_both_optimizers_and_the_bound(tmp_path: Path) -> None:
+def test_optimizer_cost_bench_measures_both_optimizers_and_the_bounds(tmp_path: Path) -> None:
     stdout, data = run_bench("optimizer_cost.py", "--widths", "16,32", "--repeats", "1", tmp_path=tmp_path)
-    assert [(r["width"], tuple(r["shape"]), r["max_dim"]) for r in data["rows"]] == [
-        (16, (16, 16), 0),
-        (16, (64, 16), 0),
-        (16, (64, 16), 16),
-        (32, (32, 32), 0),
-        (32, (128, 32), 0),
-        (32, (128, 32), 32),
-    ]
-    square, wide, bounded = data["rows"][:3]
-    assert abs(square["memory_ratio"] - 3.0) < 0.05 and wide["memory_ratio"] > bounded["memory_ratio"]
+    rows = [(r["width"], tuple(r["shape"]), r["max_dim"], r["factor_dtype"]) for r in data["rows"]]
+    expected = []
+    for d in (16, 32):
+        for shape in ((d, d), (4 * d, d)):
+            expected += [(d, shape, 0, "float32"), (d, shape, 0, "bfloat16")]
+            expected += [(d, shape, d, "float32")] if shape[0] != shape[1] else []
+    assert rows == expected
+    square, square_bf16, wide, wide_bf16, bounded = data["rows"][:5]
+    assert abs(square["memory_ratio"] - 3.0) < 0.05 and abs(square_bf16["memory_ratio"] - 2.0) < 0.05
+    assert wide["memory_ratio"] > wide_bf16["memory_ratio"] > bounded["memory_ratio"]
     for row in data["rows"]:
         assert row["adamw_step_s"] > 0 and row["rotation_amortised_s"] > 0 and row["first_eigh_s"] > 0, row
     assert "| d | shape | bound |" in stdout
