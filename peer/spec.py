@@ -24,6 +24,10 @@ MAX_LR = 1.0  # a learning rate beyond this is an attack or a typo, not a settin
 _RUN_ID = re.compile(r"^[A-Za-z0-9_.\-]{1,128}$")
 # Fields that older versions had and that never did anything: accepted and ignored, per table path.
 RETIRED_FIELDS: dict[str, set[str]] = {"": {"checkpoint_every"}}  # the coordinator's --checkpoint-every counts
+# Fields added after peers were already out in swarms, per table path, with a default that must never change:
+# left out of a published spec while at that default, so peers of the version before them (which refuse
+# unknown fields) still accept a spec that does not use them, and a swarm can upgrade one peer at a time.
+OPTIONAL_AT_DEFAULT: dict[str, dict[str, Any]] = {"optimizer": {"rotation_factor_dtype": "float32"}}
 log = logging.getLogger("swarmpipe.spec")
 
 
@@ -304,7 +308,14 @@ class RunSpec:
             raise SpecError(f"optimizer.rotation_max_dim = {o.rotation_max_dim} is outside the sane range 0..{1 << 20}")
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """The spec as published and saved: every field, except the ``OPTIONAL_AT_DEFAULT`` ones at their default."""
+        data = dataclasses.asdict(self)
+        for path, fields in OPTIONAL_AT_DEFAULT.items():
+            table = data.get(path, {})
+            for name, default in fields.items():
+                if table.get(name) == default:
+                    del table[name]
+        return data
 
 
 def _is_number(value: Any) -> bool:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from swarmpipe.peer.spec import SCHEMA_VERSION, RunSpec, SpecError, load_spec, spec_from_dict
+from swarmpipe.peer.spec import OPTIONAL_AT_DEFAULT, SCHEMA_VERSION, RunSpec, SpecError, load_spec, spec_from_dict
 from swarmpipe.peer.transport import codecs
 
 pytestmark = pytest.mark.unit
@@ -213,7 +213,23 @@ def test_round_trip_customised() -> None:
     assert isinstance(data["model"], dict) and data["layer_split"] == [2, 1, 1]
     back = spec_from_dict(data)
     assert back == spec
-    assert dataclasses.asdict(back) == data
+    assert back.to_dict() == data
+
+
+def test_fields_newer_than_deployed_peers_are_left_out_at_their_default() -> None:
+    """A peer of the version before ``rotation_factor_dtype`` refuses unknown fields: a spec that keeps the
+    default must not carry it (so mixed versions share a swarm); one that sets it must (and is refused there)."""
+    spec = RunSpec()
+    data = spec.to_dict()
+    assert "rotation_factor_dtype" not in data["optimizer"] and "rotation_max_dim" in data["optimizer"]
+    assert spec_from_dict(data).optimizer.rotation_factor_dtype == "float32"
+    older_fields = set(dataclasses.asdict(spec)["optimizer"]) - set(OPTIONAL_AT_DEFAULT["optimizer"])
+    assert set(data["optimizer"]) == older_fields
+    spec.optimizer.rotation_factor_dtype = "bfloat16"
+    data = spec.to_dict()
+    assert data["optimizer"]["rotation_factor_dtype"] == "bfloat16" and spec_from_dict(data) == spec
+    for table, fields in OPTIONAL_AT_DEFAULT.items():  # the recorded defaults are the dataclasses' own
+        assert {k: v for k, v in dataclasses.asdict(RunSpec())[table].items() if k in fields} == fields
 
 
 def test_round_trip_through_msgpack_turns_tuples_into_lists() -> None:
