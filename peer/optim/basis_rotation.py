@@ -224,10 +224,13 @@ class BasisRotationAdam(torch.optim.Optimizer):
         # "float32" keeps the factors in the parameter's dtype; with bfloat16 weights they follow the weights
         stored = FACTOR_DTYPES[group.get("factor_dtype", "float32")]
         narrow = stored == torch.bfloat16 and p.dtype in (torch.float32, torch.float64)
+        kept: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # basis -> (stored, its wide copy)
         if narrow:  # compute on wide copies (a loaded state_dict arrives in the parameter's dtype)
             for key in ("gg_left", "gg_right", "q_left", "q_right"):
                 if key in state:
-                    state[key] = state[key].to(p.dtype)
+                    narrow_value, state[key] = state[key], state[key].to(p.dtype)
+                    if key.startswith("q_") and narrow_value.dtype == stored:
+                        kept[key] = (narrow_value, state[key])
         if left:
             state["gg_left"].mul_(beta2).addmm_(grad, grad.T, alpha=1.0 - beta2)
         if right:
@@ -247,10 +250,17 @@ class BasisRotationAdam(torch.optim.Optimizer):
                 v.copy_(v[:, order])
         self._rotated_update(p, state, group, grad, step)
         if narrow:
-            self._store_factors(p, state, stored)
+            self._store_factors(p, state, stored, kept)
 
-    def _store_factors(self, p: torch.Tensor, state: dict[str, Any], stored: torch.dtype) -> None:
-        """Factors back to their storage dtype: stochastic rounding for the EMAs, nearest for the bases."""
+    def _store_factors(
+        self,
+        p: torch.Tensor,
+        state: dict[str, Any],
+        stored: torch.dtype,
+        kept: dict[str, tuple[torch.Tensor, torch.Tensor]],
+    ) -> None:
+        """Factors back to their storage dtype: stochastic rounding for the EMAs, nearest for the bases (a basis
+        this step did not refresh gets its stored tensor back: rounding its wide copy would give the same bits)."""
         if self._rounding is None or self._rounding.device != p.device:
             self._rounding = torch.Generator(device=p.device)
             self._rounding.manual_seed(0x5EED)
@@ -258,7 +268,9 @@ class BasisRotationAdam(torch.optim.Optimizer):
             if key in state:
                 state[key] = stochastic_round_bf16(state[key], self._rounding).to(stored)
         for key in ("q_left", "q_right"):
-            if key in state:
+            if key in kept and state[key] is kept[key][1]:
+                state[key] = kept[key][0]
+            elif key in state:
                 state[key] = state[key].to(stored)
 
     def _rotated_update(
