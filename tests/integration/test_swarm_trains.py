@@ -77,8 +77,15 @@ def test_peer_picks_emptiest_stage_and_runs_index(swarm):
 
 def test_a_tight_stash_bound_drops_old_versions_and_loses_nothing(swarm):
     """update.max_stash_mb far below what many micro-batches in flight want: peers drop the oldest stashed
-    version's forwards (counted on /metrics), the trainer replays their backwards, nothing is lost."""
-    spec = swarm.write_spec(num_stages=2, n_layers=4, settings={"update": {"max_stash_mb": 1}})
+    version's forwards (counted on /metrics), the trainer replays their backwards, nothing is lost.
+
+    Stage 0's snapshot (d_model 128, two blocks: ~1.7 MB) is over the 1 MB bound, so any forward at a new version
+    while an older one is pending drops it; stage 1 (four blocks) is the bottleneck, so backwards reach stage 0 a
+    batch at a time and new forwards land between them. With even stages and half the bound per snapshot, chained
+    micro-batches could settle into waves (12 forwards at one version, 12 backwards, repeat) and drop nothing."""
+    spec = swarm.write_spec(
+        num_stages=2, n_layers=6, d_model=128, settings={"update": {"max_stash_mb": 1}, "layer_split": [2, 4]}
+    )
     swarm.start_coordinator(spec)
     peers = [swarm.wait_ready(swarm.start_peer(stage, "--metrics-port", "0")) for stage in (0, 1)]
     trainer, report_path = swarm.start_trainer(60, "--in-flight", "12")
