@@ -22,7 +22,7 @@ from swarmpipe.peer.config import PeerConfig
 from swarmpipe.peer.events import EventLog
 from swarmpipe.peer.swarm.dht import SwarmDHT
 from swarmpipe.peer.swarm.records import PeerState, RelayRecord
-from swarmpipe.peer.transport.addresses import HostKind, announce_problem, host_kind, join_host_port
+from swarmpipe.peer.transport.addresses import HostKind, announce_problem, host_kind, join_host_port, split_host_port
 from swarmpipe.peer.transport.reachability import ELSEWHERE, REACHABLE, UNKNOWN, Verdict, check_reachability
 from swarmpipe.peer.transport.relay_client import RelayError, RelayTunnel
 
@@ -108,10 +108,13 @@ class ServingAddress:
             )
             if verdict.outcome == REACHABLE:
                 return self._direct(candidate)
-            if verdict.outcome == ELSEWHERE:
-                return self._direct(verdict.reachable_at)
+            elsewhere_problem = ""
+            if verdict.outcome == ELSEWHERE:  # the host a checker saw: never a loopback or private one for strangers
+                elsewhere_problem = announce_problem(split_host_port(verdict.reachable_at)[0], self.swarm_hosts)
+                if not elsewhere_problem:
+                    return self._direct(verdict.reachable_at)
             if verdict.outcome != UNKNOWN:
-                problem = verdict.detail or "no checker could dial it"
+                problem = elsewhere_problem or verdict.detail or "no checker could dial it"
         elif cfg.reachability_check:
             self.events.emit("reachability", outcome=UNKNOWN, address=candidate, detail="no checker in the swarm yet")
         if not problem:

@@ -57,6 +57,7 @@ from swarmpipe.peer.swarm.records import (
     stage_key,
     trainer_key,
 )
+from swarmpipe.peer.transport.addresses import dht_announce_maddr
 from swarmpipe.peer.transport.security import Security
 from swarmpipe.peer.transport.security import current as current_security
 from swarmpipe.peer.transport.security import install as install_security
@@ -99,8 +100,9 @@ def start_dht(
     )
     if not identity_path:
         kwargs["check_if_identity_free"] = False  # a key made a moment ago is nobody else's
-    if announce_host and port:  # behind NAT or in a container: the address others should dial
-        kwargs["announce_maddrs"] = [f"/ip4/{announce_host}/tcp/{port}"]
+    announced = dht_announce_maddr(announce_host or "", port)
+    if announced:  # behind NAT or in a container: the address others should dial
+        kwargs["announce_maddrs"] = [announced]
     try:
         try:
             dht = DHTProcess(initial_peers=list(initial_peers) or None, **kwargs)

@@ -90,6 +90,19 @@ def announce_problem(host: str, swarm_hosts: list[str]) -> str:
     return ""
 
 
+def dht_announce_maddr(host: str, port: int) -> str | None:
+    """The multiaddr a DHT node announces for ``--announce-host`` (``/ip4``, ``/ip6`` or ``/dns``); None when
+    there is no concrete host to name: unset, 'auto' (learned later, from a reachability check) or a wildcard.
+    Then p2pd announces what it listens on and what its peers observe."""
+    if not host or not port or host == "auto" or is_wildcard(host):
+        return None
+    try:
+        version = ipaddress.ip_address(host.strip("[]")).version
+    except ValueError:
+        return f"/dns/{host}/tcp/{port}"
+    return f"/ip{version}/{host.strip('[]')}/tcp/{port}"
+
+
 def hosts_of_multiaddrs(maddrs: list[str]) -> list[str]:
     """``/ip4/1.2.3.4/tcp/5/p2p/Qm...`` -> ``1.2.3.4`` (``/dns*/name`` -> name); others skipped."""
     hosts = []

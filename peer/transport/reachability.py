@@ -149,36 +149,78 @@ async def check_reachability(
     ask: int = 3,
 ) -> Verdict:
     """Ask up to ``ask`` of ``checkers`` (addresses of nodes that serve ``CheckReachability``), in random
-    order; the first answer decides. UNKNOWN when none answers (a swarm with no other reachable node)."""
+    order; the first consistent answer decides. UNKNOWN when none answers (a swarm with no other reachable node).
+
+    Checkers are strangers: an answer whose ``reachable_at`` is not our own address, or our port at the host it
+    says it saw, is ignored; "reachable at another address" is believed only when a second checker, asked to dial
+    that address, reaches us there (or when no other checker answers: a swarm's first nodes)."""
     security = security or process_security.current()
-    tried: list[str] = []
-    for checker in random.sample(checkers, len(checkers)):
-        if len(tried) >= ask:
-            break
-        tried.append(checker)
-        try:
-            channel = security.channel(checker, channel_options(4))
-        except grpc.RpcError:
+    order = random.sample(checkers, len(checkers))[: max(1, ask)]
+    asked: set[str] = set()  # a checker answers each caller host once per min_interval_s: ask none twice
+    for checker in order:
+        if checker in asked:
             continue
-        try:
-            answer = await swarm_pb2_grpc.RelayStub(channel).CheckReachability(
-                swarm_pb2.ReachabilityRequest(address=address, peer_id=peer_id, tls_cert=tls_cert),
-                timeout=ASK_TIMEOUT_S,
-            )
-        except grpc.aio.AioRpcError as e:
-            log.info("reachability: checker %s did not answer: %s", checker, e.code().name)
+        asked.add(checker)
+        verdict = await _ask(checker, address, peer_id, tls_cert, security)
+        if verdict is None:
             continue
-        finally:
-            await channel.close(grace=None)
-        if answer.outcome in (REACHABLE, UNREACHABLE, ELSEWHERE):
-            return Verdict(
-                answer.outcome,
-                _clean_host(answer.observed_host),
-                answer.reachable_at[:262],
-                answer.detail[:300],
-                checker,
-            )
-    return Verdict(UNKNOWN, detail=f"no reachability checker answered (asked {len(tried)})")
+        if verdict.outcome != ELSEWHERE:
+            return verdict
+        if await _confirm(verdict, [c for c in order if c not in asked], asked, peer_id, tls_cert, security):
+            return verdict
+        log.warning("reachability: checker %s named %s, where another could not dial us", checker, verdict.reachable_at)
+    return Verdict(UNKNOWN, detail=f"no reachability checker answered consistently (asked {len(asked)})")
+
+
+async def _confirm(
+    verdict: Verdict,
+    others: list[str],
+    asked: set[str],
+    peer_id: str,
+    tls_cert: str,
+    security: process_security.Security,
+) -> bool:
+    """True when the first other checker that answers reaches us at ``verdict.reachable_at`` (or none answers)."""
+    for other in others:
+        asked.add(other)
+        second = await _ask(other, verdict.reachable_at, peer_id, tls_cert, security)
+        if second is not None:
+            return second.outcome == REACHABLE
+    return True
+
+
+async def _ask(
+    checker: str, address: str, peer_id: str, tls_cert: str, security: process_security.Security
+) -> Verdict | None:
+    """One checker's answer, None when it did not answer or answered inconsistently."""
+    try:
+        channel = security.channel(checker, channel_options(4))
+    except grpc.RpcError:
+        return None
+    try:
+        answer = await swarm_pb2_grpc.RelayStub(channel).CheckReachability(
+            swarm_pb2.ReachabilityRequest(address=address, peer_id=peer_id, tls_cert=tls_cert),
+            timeout=ASK_TIMEOUT_S,
+        )
+    except grpc.aio.AioRpcError as e:
+        log.info("reachability: checker %s did not answer: %s", checker, e.code().name)
+        return None
+    finally:
+        await channel.close(grace=None)
+    seen = _clean_host(answer.observed_host)
+    if answer.outcome == REACHABLE:
+        reachable_at = address  # what we asked it to dial, whatever it says
+    elif answer.outcome == ELSEWHERE:
+        # the checker dials our port at the host it saw us from, and nothing else
+        reachable_at = join_host_port(seen, split_host_port(address)[1]) if seen else ""
+        if not reachable_at or answer.reachable_at != reachable_at:
+            log.warning("reachability: checker %s gave an inconsistent answer; ignored", checker)
+            return None
+    elif answer.outcome == UNREACHABLE:
+        reachable_at = ""
+    else:
+        return None
+    return Verdict(answer.outcome, seen, reachable_at, answer.detail[:300], checker)
 
 
 def _clean_host(host: str) -> str:

@@ -116,6 +116,55 @@ async def test_the_three_outcomes_of_a_check(nodes):
     assert nobody.outcome == "unknown"
 
 
+class LyingChecker(ReachabilityChecker):
+    """A checker that answers without dialling: whatever ``answer`` says."""
+
+    def __init__(self, answer: swarm_pb2.ReachabilityResponse):
+        super().__init__("QmLiar", min_interval_s=0.0)
+        self.answer = answer
+
+    async def check(self, request, context) -> swarm_pb2.ReachabilityResponse:
+        self.checks += 1
+        return self.answer
+
+
+async def _liar(nodes: list[Node], answer: swarm_pb2.ReachabilityResponse) -> tuple[Node, LyingChecker]:
+    checker = LyingChecker(answer)
+    relay = RelayServicer(0, "127.0.0.1", "127.0.0.1", checker=checker, own_id="QmLiar")
+    return await _node(nodes, "QmLiar", relay), checker
+
+
+async def test_a_lying_checker_cannot_make_a_peer_announce_an_address_that_is_not_its_own(nodes):
+    honest = await _node(nodes, "QmChecker", _relay(0))
+    target = await _node(nodes, PEER_ID, _relay(0))
+    port = target.port
+    # inconsistent: "elsewhere" at a port we did not ask about, or at a host it did not say it saw
+    for lie in (
+        swarm_pb2.ReachabilityResponse(outcome=ELSEWHERE, observed_host="127.0.0.1", reachable_at="127.0.0.1:1"),
+        swarm_pb2.ReachabilityResponse(outcome=ELSEWHERE, observed_host="203.0.113.9", reachable_at=f"8.8.8.8:{port}"),
+        swarm_pb2.ReachabilityResponse(outcome=ELSEWHERE, observed_host="not-an-ip", reachable_at=f"not-an-ip:{port}"),
+        swarm_pb2.ReachabilityResponse(outcome="sure", observed_host="127.0.0.1"),
+    ):
+        liar, lying = await _liar(nodes, lie)
+        alone = await check_reachability(target.address, PEER_ID, [liar.address])
+        assert alone.outcome == "unknown" and not alone.reachable_at and lying.checks == 1, (lie, alone)
+        for _ in range(3):  # whichever of the two is asked first
+            verdict = await check_reachability(target.address, PEER_ID, [liar.address, honest.address])
+            assert verdict.outcome == REACHABLE and verdict.reachable_at == target.address, (lie, verdict)
+    # consistent but false: it "saw" us at 203.0.113.9; a second checker cannot dial us there, so it is not believed
+    lie = swarm_pb2.ReachabilityResponse(
+        outcome=ELSEWHERE, observed_host="203.0.113.9", reachable_at=f"203.0.113.9:{port}"
+    )
+    liar, lying = await _liar(nodes, lie)
+    verdict = await check_reachability(target.address, PEER_ID, [liar.address, honest.address], ask=2)
+    assert verdict.reachable_at != f"203.0.113.9:{port}" and lying.checks <= 1, verdict
+    # a claimed REACHABLE is taken for the address we asked about, never for one the checker names
+    lie = swarm_pb2.ReachabilityResponse(outcome=REACHABLE, observed_host="127.0.0.1", reachable_at="198.51.100.1:9")
+    liar, _ = await _liar(nodes, lie)
+    verdict = await check_reachability(target.address, PEER_ID, [liar.address])
+    assert verdict.outcome == REACHABLE and verdict.reachable_at == target.address
+
+
 async def test_a_real_stage_served_through_a_relay_and_the_relay_lost(nodes):
     relay = await _node(nodes, "QmRelay", _relay(2))
     target = await _node(nodes, PEER_ID, _relay(0))

@@ -10,6 +10,7 @@ from swarmpipe.peer.swarm.records import RelayRecord, StageRecord
 from swarmpipe.peer.transport.addresses import (
     HostKind,
     announce_problem,
+    dht_announce_maddr,
     host_kind,
     hosts_of_multiaddrs,
     join_host_port,
@@ -67,6 +68,17 @@ def test_what_may_be_announced_where() -> None:
     assert "private" in announce_problem("192.168.1.20", internet)
     assert announce_problem("1.1.1.1", internet) == ""
     assert announce_problem("10.0.0.5", []) == ""  # nothing known yet: only dialling tells
+
+
+def test_the_dht_announces_only_a_concrete_host() -> None:
+    """'auto' (the advice's own fix, with --dht-port) once made ``/ip4/auto/tcp/N``, which hivemind refuses."""
+    assert dht_announce_maddr("auto", 31337) is None
+    assert dht_announce_maddr("0.0.0.0", 31337) is None and dht_announce_maddr("::", 31337) is None
+    assert dht_announce_maddr("", 31337) is None and dht_announce_maddr("1.2.3.4", 0) is None
+    assert dht_announce_maddr("1.2.3.4", 31337) == "/ip4/1.2.3.4/tcp/31337"
+    assert dht_announce_maddr("2001:db8::1", 31337) == "/ip6/2001:db8::1/tcp/31337"
+    assert dht_announce_maddr("[2001:db8::1]", 31337) == "/ip6/2001:db8::1/tcp/31337"
+    assert dht_announce_maddr("peer.example.org", 31337) == "/dns/peer.example.org/tcp/31337"
 
 
 def test_observed_hosts_and_multiaddrs() -> None:
