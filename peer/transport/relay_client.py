@@ -24,6 +24,9 @@ from swarmpipe.protos import swarm_pb2, swarm_pb2_grpc
 log = logging.getLogger("swarmpipe.relay")
 DEAD_AFTER_S = 3 * HEARTBEAT_S
 OPEN_TIMEOUT_S = 10.0
+# Relayed callers served at once (the relay itself admits 32 per relayed peer): a hostile relay that announces
+# callers without end gets this many local connections, not one per message.
+MAX_CONNECTIONS = 64
 
 
 class RelayError(Exception):
@@ -49,6 +52,7 @@ class RelayTunnel:
         self.stub = swarm_pb2_grpc.RelayStub(self.channel)
         self.address = ""  # where callers reach us through this relay, once opened
         self.connections = 0
+        self.refused = 0  # callers announced while MAX_CONNECTIONS were being served
         self._call = None
         self._tasks: set[asyncio.Task] = set()
         self._alias_ok = True
@@ -82,8 +86,16 @@ class RelayTunnel:
                     return _describe(e)
                 if message is grpc.aio.EOF:
                     return "the relay ended the tunnel"
-                if message.connection:
+                if message.connection and len(self._tasks) < MAX_CONNECTIONS:
                     self._spawn(self._serve_connection(message.connection, message.caller))
+                elif message.connection:
+                    self.refused += 1
+                    if self.refused == 1:
+                        log.warning(
+                            "relay client %s: %d relayed callers at once; refusing more",
+                            self.peer_id[-6:],
+                            MAX_CONNECTIONS,
+                        )
         finally:
             heartbeat.cancel()
 

@@ -20,6 +20,7 @@ from swarmpipe.peer.stage.relaying import relay_handlers
 from swarmpipe.peer.stage.runtime import StageRuntime
 from swarmpipe.peer.stage.server import StageServicer, start_server
 from swarmpipe.peer.swarm.records import PeerState
+from swarmpipe.peer.transport import relay_client
 from swarmpipe.peer.transport.reachability import (
     ELSEWHERE,
     REACHABLE,
@@ -163,6 +164,37 @@ async def test_a_lying_checker_cannot_make_a_peer_announce_an_address_that_is_no
     liar, _ = await _liar(nodes, lie)
     verdict = await check_reachability(target.address, PEER_ID, [liar.address])
     assert verdict.outcome == REACHABLE and verdict.reachable_at == target.address
+
+
+class FloodingRelay(RelayServicer):
+    """A hostile relay: gives an address, then announces a thousand callers and never serves their streams."""
+
+    async def Tunnel(self, request_iterator, context):
+        await request_iterator.__anext__()
+        yield swarm_pb2.TunnelDown(address="127.0.0.1:1")
+        for n in range(1, 1001):
+            yield swarm_pb2.TunnelDown(connection=n, caller="ipv4:203.0.113.5:1")
+        await asyncio.sleep(30)
+
+    async def Connect(self, request_iterator, context):
+        await asyncio.sleep(30)  # holds every stream open
+        yield swarm_pb2.RelayChunk()
+
+
+async def test_a_flooding_relay_gets_a_bounded_number_of_local_connections(nodes):
+    relay = await _node(nodes, "QmRelay", FloodingRelay(4, "127.0.0.1", "127.0.0.1", own_id="QmRelay"))
+    target = await _node(nodes, PEER_ID, _relay(0))
+    tunnel = RelayTunnel(relay.address, PEER_ID, "127.0.0.1", target.port)
+    assert await tunnel.open() == "127.0.0.1:1"
+    serving = asyncio.ensure_future(tunnel.run())
+    for _ in range(100):
+        await asyncio.sleep(0.05)
+        if tunnel.refused:
+            break
+    assert len(tunnel._tasks) <= relay_client.MAX_CONNECTIONS and tunnel.connections <= relay_client.MAX_CONNECTIONS
+    assert tunnel.refused > 0
+    serving.cancel()
+    await tunnel.close()
 
 
 async def test_a_real_stage_served_through_a_relay_and_the_relay_lost(nodes):
