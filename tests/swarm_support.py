@@ -11,6 +11,14 @@ from pathlib import Path
 
 from swarmpipe.cli.launcher import Launched, wait_for
 from swarmpipe.cli.local_swarm import LocalSwarm
+from swarmpipe.protos import swarm_pb2
+
+
+def service_methods(service: str = "Stage") -> dict[str, tuple[bool, bool]]:
+    """method -> (request streaming, response streaming), read from swarm.proto: a new RPC joins every
+    hostile-input and credential test that loops over a service's methods without being listed by hand."""
+    methods = swarm_pb2.DESCRIPTOR.services_by_name[service].methods
+    return {m.name: (m.client_streaming, m.server_streaming) for m in methods}
 
 
 @dataclass

@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator
 import grpc
 import pytest
 import torch
+from swarm_support import service_methods
 
 from swarmpipe.peer.spec import spec_from_dict
 from swarmpipe.peer.stage.lifecycle import Lifecycle
@@ -31,15 +32,7 @@ from swarmpipe.protos import swarm_pb2
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
 TOKEN = b"integration-test-token-0123456789"
-METHODS = {  # method -> (request streaming, response streaming), as in swarm.proto
-    "Forward": (False, False),
-    "Backward": (False, False),
-    "ForwardBackward": (False, False),
-    "Info": (False, False),
-    "DownloadState": (False, True),
-    "PushState": (True, False),
-    "Stream": (True, True),
-}
+METHODS = service_methods()  # every Stage RPC, from swarm.proto
 
 
 @pytest.fixture(scope="module")

@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator
 import grpc
 import pytest
 import torch
+from swarm_support import service_methods
 
 from swarmpipe.peer.spec import spec_from_dict
 from swarmpipe.peer.stage.lifecycle import Lifecycle
@@ -29,16 +30,7 @@ GARBAGE = {
     "corrupt wire format": b"\xff\xff\xff",
     "invalid UTF-8 in a string field": b"\x0a\x02\xc3\x28",  # field 1 is a string in every request
 }
-# method -> (request streaming, response streaming), as in swarm.proto
-METHODS = {
-    "Forward": (False, False),
-    "Backward": (False, False),
-    "ForwardBackward": (False, False),
-    "Info": (False, False),
-    "DownloadState": (False, True),
-    "PushState": (True, False),
-    "Stream": (True, True),
-}
+METHODS = service_methods()  # every Stage RPC, from swarm.proto
 
 
 @pytest.fixture

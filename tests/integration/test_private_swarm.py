@@ -17,6 +17,7 @@ import hivemind
 import pytest
 from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.utils.crypto import RSAPrivateKey
+from swarm_support import service_methods
 
 from swarmpipe.cli.healthcheck import run_healthcheck
 from swarmpipe.cli.launcher import wait_for
@@ -32,15 +33,7 @@ from swarmpipe.protos import swarm_pb2
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
 TOKEN = "a-private-swarm-token-0123456789abcdef"
-METHODS = {  # method -> (request streaming, response streaming), as in swarm.proto
-    "Forward": (False, False),
-    "Backward": (False, False),
-    "ForwardBackward": (False, False),
-    "Info": (False, False),
-    "DownloadState": (False, True),
-    "PushState": (True, False),
-    "Stream": (True, True),
-}
+METHODS = service_methods()  # every Stage RPC, from swarm.proto
 
 
 def _record(address: str, tls_cert: str = "", throughput: float = 50.0) -> StageRecord:
