@@ -87,17 +87,19 @@ class HomeNetwork:
         self.containers.append(container)
         return cid
 
-    def can_reach_from_swarm(self, cid: str, port: int) -> bool:
-        """Whether a swarm-side container can open a TCP connection to ``cid``'s home address."""
-        home_ip = sh(
-            ["docker", "inspect", "-f", f'{{{{(index .NetworkSettings.Networks "{self.name}").IPAddress}}}}', cid]
-        )
+    def home_ip(self, cid: str) -> str:
+        fmt = f'{{{{(index .NetworkSettings.Networks "{self.name}").IPAddress}}}}'
+        return sh(["docker", "inspect", "-f", fmt, cid]).stdout.strip()
+
+    def can_reach(self, cid: str, port: int, from_home: bool = False) -> bool:
+        """Whether a TCP connection to ``cid``'s home address and ``port`` opens: from the swarm network (the
+        coordinator's container), or, as the probe's own positive control, from inside the home (the gateway)."""
         probe = (
             "import socket,sys; s=socket.socket(); s.settimeout(3); "
-            f"sys.exit(0 if s.connect_ex(('{home_ip.stdout.strip()}', {port})) == 0 else 1)"
+            f"sys.exit(0 if s.connect_ex(('{self.home_ip(cid)}', {port})) == 0 else 1)"
         )
-        coordinator = self.stack.ids("coordinator")[0]
-        return sh(["docker", "exec", coordinator, "python3", "-c", probe], check=False).returncode == 0
+        source = self.gateway if from_home else self.stack.ids("coordinator")[0]
+        return sh(["docker", "exec", source, "python3", "-c", probe], check=False).returncode == 0
 
     def remove(self) -> None:
         for container in [*self.containers, self.gateway]:
