@@ -313,13 +313,15 @@ class ChainStageResult(_message.Message):
     def __init__(self, stage: _Optional[int] = ..., peer_id: _Optional[str] = ..., version: _Optional[int] = ..., applied: _Optional[bool] = ..., dropped_reason: _Optional[str] = ..., retries: _Optional[int] = ...) -> None: ...
 
 class ChainResponse(_message.Message):
-    __slots__ = ("loss", "grad_input", "version", "stages")
+    __slots__ = ("loss", "grad_input", "version", "stages", "handler_seconds")
     LOSS_FIELD_NUMBER: _ClassVar[int]
     GRAD_INPUT_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     STAGES_FIELD_NUMBER: _ClassVar[int]
+    HANDLER_SECONDS_FIELD_NUMBER: _ClassVar[int]
     loss: float
     grad_input: Tensor
     version: int
     stages: _containers.RepeatedCompositeFieldContainer[ChainStageResult]
-    def __init__(self, loss: _Optional[float] = ..., grad_input: _Optional[_Union[Tensor, _Mapping]] = ..., version: _Optional[int] = ..., stages: _Optional[_Iterable[_Union[ChainStageResult, _Mapping]]] = ...) -> None: ...
+    handler_seconds: float
+    def __init__(self, loss: _Optional[float] = ..., grad_input: _Optional[_Union[Tensor, _Mapping]] = ..., version: _Optional[int] = ..., stages: _Optional[_Iterable[_Union[ChainStageResult, _Mapping]]] = ..., handler_seconds: _Optional[float] = ...) -> None: ...

@@ -108,6 +108,7 @@ class ChainLink:
             sent = request.ByteSize() + sum(memoryview(p).nbytes for p in payloads if p is not None)
             received = response.ByteSize()
             timed.nbytes = sent + received
+            timed.remote_seconds = response.handler_seconds  # its compute and every later hop are not this link
         self.bytes_sent += sent
         self.bytes_received += received
         return response

@@ -20,6 +20,7 @@ this peer (the link's sender).
 from __future__ import annotations
 
 import logging
+import time
 
 import grpc
 import torch
@@ -71,6 +72,7 @@ class ChainRPCs:
         self, request: swarm_pb2.ChainRequest, context: grpc.aio.ServicerContext, sink: dict | None = None
     ) -> swarm_pb2.ChainResponse:
         async def handle() -> swarm_pb2.ChainResponse:
+            started = time.perf_counter()
             runtime = self.runtime
             check_header(self.spec, runtime.stage, request.run_id, request.stage, request.microbatch_id)
             self._require_accepting()
@@ -94,6 +96,7 @@ class ChainRPCs:
             response = swarm_pb2.ChainResponse(loss=done.loss, version=done.version, stages=done.stages)
             if done.grad_input is not None:
                 response.grad_input.CopyFrom(self._chain_reply(done.grad_input, reply, sink, caller))
+            response.handler_seconds = time.perf_counter() - started  # the caller times its link without it
             return response
 
         return await self._serve("chain", context, handle)

@@ -191,6 +191,7 @@ async def test_hostile_chained_requests_are_refused_and_dial_nobody(chain_swarm)
                 _request([[(middle["peer_id"], middle["address"])], good_rest], microbatch_id="honest-1"), timeout=60
             )
             assert [s.stage for s in ok.stages] == [0, 1, 2] and ok.loss > 0
+            assert ok.handler_seconds > 0  # what stage 0 held the call: its caller times the link without it
             again = await stub.Chain(
                 _request([[(middle["peer_id"], middle["address"])], good_rest], microbatch_id="honest-1"), timeout=60
             )

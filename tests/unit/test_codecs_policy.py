@@ -36,6 +36,23 @@ def test_timed_records_real_transfers() -> None:
     assert p.meter.bandwidth("x") > 0 and "x" in p.meter.estimates
 
 
+def test_timed_leaves_out_the_far_ends_own_time_within_bounds(monkeypatch) -> None:
+    """A chained call's time holds the next hop's compute and every later hop: the next hop says how long it held
+    the call, and the link is timed without it; a peer claiming more than the whole call is capped (99 %)."""
+    clock = iter([10.0, 12.0] * 3)
+    monkeypatch.setattr("swarmpipe.peer.transport.codec_policy.time.perf_counter", lambda: next(clock))
+    rates = {}
+    for address, remote in (("whole", 0.0), ("link", 1.5), ("liar", 1e9)):
+        p = CodecPolicy()
+        with p.timed(address) as t:
+            t.nbytes = 8 << 20
+            t.remote_seconds = remote
+        rates[address] = p.meter.bandwidth(address)
+    assert rates["whole"] == pytest.approx((8 << 20) / 2.0)
+    assert rates["link"] == pytest.approx((8 << 20) / 0.5)  # 2 s call, 1.5 s of them at the far end
+    assert rates["liar"] == pytest.approx((8 << 20) / 0.02)  # at most 100x the whole call's rate
+
+
 @pytest.mark.parametrize("codec", ["uint8", "blockwise8", "fp16", "bf16"])
 def test_error_feedback_unbiases_repeated_gradients(codec: str) -> None:
     g = torch.randn(4096) * 1e-3 + 3e-4  # small, with a mean the quantizer would round away
