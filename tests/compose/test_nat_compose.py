@@ -48,12 +48,12 @@ def test_a_peer_behind_nat_trains_through_a_relay_and_survives_losing_it(scenari
         )
         relayed = _events(st, peer, "relayed")
         sc.check("it serves through a relay", bool(relayed), " ".join(relayed[-1:])[-200:])
-        # the peer's own gRPC and DHT ports (the image's SWARMPIPE_PORT / SWARMPIPE_DHT_PORT): open from inside the
-        # home (the probe works), closed from the swarm network (the NAT holds)
-        ports = (7000, 31337)
-        open_at_home = [p for p in ports if home.can_reach(peer, p, from_home=True)]
-        open_to_swarm = [p for p in ports if home.can_reach(peer, p)]
-        sc.check("its ports answer inside the home", open_at_home == list(ports), f"open: {open_at_home}")
+        # the peer's own gRPC port (the image's SWARMPIPE_PORT) answers inside the home (the probe works) and is
+        # closed from the swarm network (the NAT holds); so is the DHT port it was given (in client mode its DHT
+        # node listens on a port of its own choosing, for outbound use)
+        grpc_open_at_home = home.can_reach(peer, 7000, from_home=True)
+        open_to_swarm = [p for p in (7000, 31337) if home.can_reach(peer, p)]
+        sc.check("its gRPC port answers inside the home", grpc_open_at_home)
         sc.check("nothing on the swarm network can dial into the home", not open_to_swarm, f"open: {open_to_swarm}")
         client_mode = "runs its DHT node in client mode" in st.logs(peer)
         sc.check("its DHT node runs in client mode", client_mode)
