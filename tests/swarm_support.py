@@ -64,8 +64,7 @@ def assert_trained(report: dict, min_steps: int) -> None:
     )
     assert report["microbatches_completed"] >= min_steps, report
     assert report["loss_last"] < report["loss_first"] - 0.3, (report["loss_first"], report["loss_last"])
-    # Every scenario runs the default route, and mostly chained: a hub micro-batch of the test spec moves at least
-    # four 32 kB activations through the trainer (130 to 290 kB); a chained one tokens and targets (~5 kB), plus
-    # the 5 % verified the hub way and the hops re-routed after a fault.
+    # Every scenario runs the default route, and mostly chained (the 5 % verified go the hub way, and the hops
+    # re-routed for a while after a fault): the faults were survived in chain mode, not by quietly going hub.
     assert report["route"] == "chain", report
-    assert report["trainer_bytes_per_microbatch"] < 64_000, report
+    assert report["microbatches_chained"] >= 0.5 * report["microbatches_completed"], report

@@ -66,6 +66,7 @@ class ChainCalls:
         self.hub_until: dict[int, float] = {}  # stage b -> until when the hop into b goes through the trainer
         self.cooldown: dict[int, float] = {}  # stage b -> the next cooldown's length
         self.breaks = 0
+        self.chained = 0  # micro-batches whose activations a chained call carried (from stage 0 or past a break)
 
     # ------------------------------------------------------------ where the chain starts
     def start_stage(self) -> int:
@@ -159,6 +160,7 @@ class ChainCalls:
                 v.in_flight = max(0, v.in_flight - 1)
         result = self._read(stage, x, response)
         self._chained_through(stage)
+        self.chained += 1
         return result
 
     def _read(self, stage: int, x: torch.Tensor, response: swarm_pb2.ChainResponse) -> ChainResult:

@@ -173,7 +173,13 @@ class Trainer:
         self.state_file.save(stream.cursor, self.progress)  # the final counters
         report = self.progress.report(cfg.run_id, spec.microbatch_size)
         report["verification"] = {**vars(runner.verifier.stats), "banned": dict(runner.verifier.banned)}
-        report.update(self._traffic(), route=cfg.route, chain_breaks=runner.chain.breaks if runner.chain else 0)
+        chain = runner.chain
+        report.update(
+            self._traffic(),
+            route=cfg.route,
+            chain_breaks=chain.breaks if chain else 0,
+            microbatches_chained=chain.chained if chain else 0,
+        )
         last = swarm.announce_trainer(self._record(spec.microbatch_size), ttl=60)
         try:  # after a signal the process is asked to leave: a slow DHT must not keep it
             await asyncio.wait_for(last, STOP_ANNOUNCE_S if self.stop_requested.is_set() else None)
