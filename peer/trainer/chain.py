@@ -66,7 +66,7 @@ class ChainCalls:
         self.hub_until: dict[int, float] = {}  # stage b -> until when the hop into b goes through the trainer
         self.cooldown: dict[int, float] = {}  # stage b -> the next cooldown's length
         self.breaks = 0
-        self.chained = 0  # micro-batches whose activations a chained call carried (from stage 0 or past a break)
+        self.chained = 0  # micro-batches chained from stage 0: every hop peer to peer
 
     # ------------------------------------------------------------ where the chain starts
     def start_stage(self) -> int:
@@ -79,10 +79,18 @@ class ChainCalls:
         return self.hop_timeout * (self.spec.num_stages - stage + 1)
 
     def broke(self, broken: ChainBroken, mb_id: str) -> None:
-        """Relay hop ``broken.stage`` for a cooldown that doubles while it keeps breaking."""
+        """Relay hop ``broken.stage`` for a cooldown that doubles while it keeps breaking: once per chain tried
+        after a cooldown, not once per micro-batch that was in flight when the hop broke (a relay's death broke
+        four at once, and the hop went through the trainer for 75 s instead of 5)."""
         self.breaks += 1
+        now = self.clock()
+        if self.hub_until.get(broken.stage, 0.0) > now:  # the same break, seen by another micro-batch in flight
+            self.events.emit(
+                "chain_broken", level=logging.INFO, microbatch=mb_id, stage=broken.stage, relayed_s=0.0, again=True
+            )
+            return
         length = self.cooldown.get(broken.stage, HUB_COOLDOWN_S)
-        self.hub_until[broken.stage] = self.clock() + length
+        self.hub_until[broken.stage] = now + length
         self.cooldown[broken.stage] = min(HUB_COOLDOWN_MAX_S, 2 * length)
         self.events.emit(
             "chain_broken",
@@ -160,7 +168,7 @@ class ChainCalls:
                 v.in_flight = max(0, v.in_flight - 1)
         result = self._read(stage, x, response)
         self._chained_through(stage)
-        self.chained += 1
+        self.chained += stage == 0
         return result
 
     def _read(self, stage: int, x: torch.Tensor, response: swarm_pb2.ChainResponse) -> ChainResult:

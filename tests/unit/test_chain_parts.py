@@ -239,11 +239,25 @@ def test_the_trainer_relays_a_broken_hop_for_a_doubling_cooldown():
     now["t"] = HUB_COOLDOWN_S + 0.1
     assert chain.start_stage() == 0  # tried again after the cooldown
     lengths = []
-    for _ in range(6):
+    for _ in range(6):  # it breaks again at each try after a cooldown
         chain.broke(ChainBroken(2, "down", True), "mb")
         lengths.append(chain.hub_until[2] - now["t"])
+        now["t"] = chain.hub_until[2] + 0.1
     assert lengths[:3] == pytest.approx([2 * HUB_COOLDOWN_S, 4 * HUB_COOLDOWN_S, 8 * HUB_COOLDOWN_S])
     assert max(lengths) == pytest.approx(HUB_COOLDOWN_MAX_S)
+
+
+def test_micro_batches_in_flight_when_a_hop_breaks_are_one_break_not_a_doubling_each():
+    now = {"t": 0.0}
+    events = _Events()
+    chain = ChainCalls(_spec(), calls=None, router=Router(3), events=events, hop_timeout=10.0, clock=lambda: now["t"])
+    for i in range(4):  # a relay dies under four chained micro-batches
+        chain.broke(ChainBroken(1, "relay gone", True), f"mb-{i}")
+        now["t"] += 0.01
+    assert chain.hub_until[1] == pytest.approx(HUB_COOLDOWN_S) and chain.breaks == 4
+    assert [f.get("again", False) for _, f in events.emitted] == [False, True, True, True]
+    now["t"] = HUB_COOLDOWN_S + 0.1
+    assert chain.start_stage() == 0  # chains go peer to peer again after one cooldown
 
 
 def test_the_route_names_the_best_replicas_of_every_later_stage():
