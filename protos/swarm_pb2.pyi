@@ -275,7 +275,7 @@ class ChainCandidates(_message.Message):
     def __init__(self, hops: _Optional[_Iterable[_Union[ChainHop, _Mapping]]] = ...) -> None: ...
 
 class ChainRequest(_message.Message):
-    __slots__ = ("run_id", "stage", "microbatch_id", "input", "targets", "route", "ticket", "reply_codec", "hop_timeout_s")
+    __slots__ = ("run_id", "stage", "microbatch_id", "input", "targets", "route", "ticket", "reply_codec", "hop_timeout_s", "segment_stages")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     STAGE_FIELD_NUMBER: _ClassVar[int]
     MICROBATCH_ID_FIELD_NUMBER: _ClassVar[int]
@@ -285,6 +285,7 @@ class ChainRequest(_message.Message):
     TICKET_FIELD_NUMBER: _ClassVar[int]
     REPLY_CODEC_FIELD_NUMBER: _ClassVar[int]
     HOP_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    SEGMENT_STAGES_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     stage: int
     microbatch_id: str
@@ -294,7 +295,8 @@ class ChainRequest(_message.Message):
     ticket: bytes
     reply_codec: str
     hop_timeout_s: float
-    def __init__(self, run_id: _Optional[str] = ..., stage: _Optional[int] = ..., microbatch_id: _Optional[str] = ..., input: _Optional[_Union[Tensor, _Mapping]] = ..., targets: _Optional[_Union[Tensor, _Mapping]] = ..., route: _Optional[_Iterable[_Union[ChainCandidates, _Mapping]]] = ..., ticket: _Optional[bytes] = ..., reply_codec: _Optional[str] = ..., hop_timeout_s: _Optional[float] = ...) -> None: ...
+    segment_stages: int
+    def __init__(self, run_id: _Optional[str] = ..., stage: _Optional[int] = ..., microbatch_id: _Optional[str] = ..., input: _Optional[_Union[Tensor, _Mapping]] = ..., targets: _Optional[_Union[Tensor, _Mapping]] = ..., route: _Optional[_Iterable[_Union[ChainCandidates, _Mapping]]] = ..., ticket: _Optional[bytes] = ..., reply_codec: _Optional[str] = ..., hop_timeout_s: _Optional[float] = ..., segment_stages: _Optional[int] = ...) -> None: ...
 
 class ChainStageResult(_message.Message):
     __slots__ = ("stage", "peer_id", "version", "applied", "dropped_reason", "retries")
@@ -325,3 +327,49 @@ class ChainResponse(_message.Message):
     stages: _containers.RepeatedCompositeFieldContainer[ChainStageResult]
     handler_seconds: float
     def __init__(self, loss: _Optional[float] = ..., grad_input: _Optional[_Union[Tensor, _Mapping]] = ..., version: _Optional[int] = ..., stages: _Optional[_Iterable[_Union[ChainStageResult, _Mapping]]] = ..., handler_seconds: _Optional[float] = ...) -> None: ...
+
+class HandoverRequest(_message.Message):
+    __slots__ = ("run_id", "stage", "microbatch_id", "ticket", "output_codec", "wait_s")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    STAGE_FIELD_NUMBER: _ClassVar[int]
+    MICROBATCH_ID_FIELD_NUMBER: _ClassVar[int]
+    TICKET_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_CODEC_FIELD_NUMBER: _ClassVar[int]
+    WAIT_S_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    stage: int
+    microbatch_id: str
+    ticket: bytes
+    output_codec: str
+    wait_s: float
+    def __init__(self, run_id: _Optional[str] = ..., stage: _Optional[int] = ..., microbatch_id: _Optional[str] = ..., ticket: _Optional[bytes] = ..., output_codec: _Optional[str] = ..., wait_s: _Optional[float] = ...) -> None: ...
+
+class HandoverResponse(_message.Message):
+    __slots__ = ("output", "version")
+    OUTPUT_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    output: Tensor
+    version: int
+    def __init__(self, output: _Optional[_Union[Tensor, _Mapping]] = ..., version: _Optional[int] = ...) -> None: ...
+
+class ResumeRequest(_message.Message):
+    __slots__ = ("run_id", "stage", "microbatch_id", "ticket", "grad_output", "abandon")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    STAGE_FIELD_NUMBER: _ClassVar[int]
+    MICROBATCH_ID_FIELD_NUMBER: _ClassVar[int]
+    TICKET_FIELD_NUMBER: _ClassVar[int]
+    GRAD_OUTPUT_FIELD_NUMBER: _ClassVar[int]
+    ABANDON_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    stage: int
+    microbatch_id: str
+    ticket: bytes
+    grad_output: Tensor
+    abandon: bool
+    def __init__(self, run_id: _Optional[str] = ..., stage: _Optional[int] = ..., microbatch_id: _Optional[str] = ..., ticket: _Optional[bytes] = ..., grad_output: _Optional[_Union[Tensor, _Mapping]] = ..., abandon: _Optional[bool] = ...) -> None: ...
+
+class ResumeResponse(_message.Message):
+    __slots__ = ("version",)
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    def __init__(self, version: _Optional[int] = ...) -> None: ...

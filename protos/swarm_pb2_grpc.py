@@ -74,6 +74,16 @@ class StageStub:
                 request_serializer=swarmpipe_dot_protos_dot_swarm__pb2.ChainRequest.SerializeToString,
                 response_deserializer=swarmpipe_dot_protos_dot_swarm__pb2.ChainResponse.FromString,
                 _registered_method=True)
+        self.ChainHandover = channel.unary_unary(
+                '/swarmpipe.Stage/ChainHandover',
+                request_serializer=swarmpipe_dot_protos_dot_swarm__pb2.HandoverRequest.SerializeToString,
+                response_deserializer=swarmpipe_dot_protos_dot_swarm__pb2.HandoverResponse.FromString,
+                _registered_method=True)
+        self.ChainResume = channel.unary_unary(
+                '/swarmpipe.Stage/ChainResume',
+                request_serializer=swarmpipe_dot_protos_dot_swarm__pb2.ResumeRequest.SerializeToString,
+                response_deserializer=swarmpipe_dot_protos_dot_swarm__pb2.ResumeResponse.FromString,
+                _registered_method=True)
 
 
 class StageServicer:
@@ -131,6 +141,20 @@ class StageServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ChainHandover(self, request, context):
+        """A chain that ends before the last stage (a hop the trainer relays): the trainer takes the output parked at
+        its end, and later gives back that output's gradient, which resumes the chain's backward (chain_handover.py).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ChainResume(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_StageServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -173,6 +197,16 @@ def add_StageServicer_to_server(servicer, server):
                     servicer.Chain,
                     request_deserializer=swarmpipe_dot_protos_dot_swarm__pb2.ChainRequest.FromString,
                     response_serializer=swarmpipe_dot_protos_dot_swarm__pb2.ChainResponse.SerializeToString,
+            ),
+            'ChainHandover': grpc.unary_unary_rpc_method_handler(
+                    servicer.ChainHandover,
+                    request_deserializer=swarmpipe_dot_protos_dot_swarm__pb2.HandoverRequest.FromString,
+                    response_serializer=swarmpipe_dot_protos_dot_swarm__pb2.HandoverResponse.SerializeToString,
+            ),
+            'ChainResume': grpc.unary_unary_rpc_method_handler(
+                    servicer.ChainResume,
+                    request_deserializer=swarmpipe_dot_protos_dot_swarm__pb2.ResumeRequest.FromString,
+                    response_serializer=swarmpipe_dot_protos_dot_swarm__pb2.ResumeResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -391,6 +425,60 @@ class Stage:
             '/swarmpipe.Stage/Chain',
             swarmpipe_dot_protos_dot_swarm__pb2.ChainRequest.SerializeToString,
             swarmpipe_dot_protos_dot_swarm__pb2.ChainResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ChainHandover(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/swarmpipe.Stage/ChainHandover',
+            swarmpipe_dot_protos_dot_swarm__pb2.HandoverRequest.SerializeToString,
+            swarmpipe_dot_protos_dot_swarm__pb2.HandoverResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ChainResume(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/swarmpipe.Stage/ChainResume',
+            swarmpipe_dot_protos_dot_swarm__pb2.ResumeRequest.SerializeToString,
+            swarmpipe_dot_protos_dot_swarm__pb2.ResumeResponse.FromString,
             options,
             channel_credentials,
             insecure,

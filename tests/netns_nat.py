@@ -105,6 +105,13 @@ class NamespaceNat:
         _sh("ip", "netns", "del", self.gateway, check=False)  # takes the root-side veth with it
         _sh("ip", "link", "del", self.root_if, check=False)
 
+    def refuse_outbound(self, port: int) -> None:
+        """An egress firewall on the home's router: connections from the home to TCP ``port`` are refused."""
+        _sh(
+            *["ip", "netns", "exec", self.gateway, "iptables", "-I", "FORWARD", "-i", self.lan_if],
+            *["-p", "tcp", "--dport", str(port), "-j", "REJECT", "--reject-with", "tcp-reset"],
+        )
+
     def prefix(self) -> list[str]:
         """The command prefix that runs a process inside the home."""
         return ["ip", "netns", "exec", self.home]

@@ -65,9 +65,16 @@ class ChainLink:
         )
 
     async def call(
-        self, stage: int, hops: list[tuple[str, str]], build: Build, out_shape: tuple[int, ...], timeout: float
+        self,
+        stage: int,
+        hops: list[tuple[str, str]],
+        build: Build,
+        out_shape: tuple[int, ...],
+        timeout: float,
+        end: int | None = None,
     ) -> LinkAnswer:
-        """Send the micro-batch to the first candidate of ``stage`` that takes it; ChainBroken when none does."""
+        """Send the micro-batch to the first candidate of ``stage`` that takes it; ChainBroken when none does.
+        ``end``: the chain's last stage (default: the run's), whose results the answer must carry."""
         failures: list[str] = []
         unreachable = True
         nbytes = 4 * int(torch.Size(out_shape).numel())
@@ -76,7 +83,7 @@ class ChainLink:
             request, payloads = build(act_codec, reply)
             try:
                 response = await self._send(address, request, payloads, timeout)
-                grad = self._check(stage, response, out_shape)
+                grad = self._check(stage, response, out_shape, end)
                 return LinkAnswer(response, grad, peer_id, len(failures))
             except grpc.aio.AioRpcError as e:
                 if e.code() == BROKEN:
@@ -113,13 +120,14 @@ class ChainLink:
         self.bytes_received += received
         return response
 
-    def _check(self, stage: int, response, out_shape: tuple[int, ...]) -> torch.Tensor:
+    def _check(self, stage: int, response, out_shape: tuple[int, ...], end: int | None = None) -> torch.Tensor:
         """The next stage's answer, as the trainer would check it: its gradient, loss and per-stage results."""
         if not torch.isfinite(torch.tensor(float(response.loss))):
             raise WireError(f"stage {stage} returned a non-finite loss")
-        left = self.spec.num_stages - stage
+        end = self.spec.num_stages - 1 if end is None else end
+        left = end + 1 - stage
         stages = list(response.stages)
-        if len(stages) != left or [s.stage for s in stages] != list(range(stage, self.spec.num_stages)):
+        if len(stages) != left or [s.stage for s in stages] != list(range(stage, end + 1)):
             raise WireError(f"stage {stage} reported {len(stages)} stage results; {left} were due")
         grad = decode(
             response.grad_input,

@@ -4,7 +4,8 @@ A ``ChainRequest`` names, for every stage after the receiving one, a few candida
 address) in the trainer's order of preference. A stranger could fill it with any address, and every peer on
 the way would dial it: a swarm of stage servers turned into a scanner or an amplifier. So:
 
-* the route's shape is bounded before any work: exactly one entry per stage left, 1..``MAX_CANDIDATES``
+* the route's shape is bounded before any work: exactly one entry per later stage of the chain (all stages
+  left, or up to the end of a segment the trainer relays after: ``segment_stages``), 1..``MAX_CANDIDATES``
   candidates each, peer ids in base58, addresses of bounded length, no duplicates (INVALID_ARGUMENT);
 * a peer dials a candidate only if the DHT's signed stage records list that peer id, online, at that very
   address, for that stage (:class:`AnnouncedHops`). The route cannot make a peer dial anything it would not
@@ -38,19 +39,33 @@ RECORDS_FRESH_S = 2.0  # the next stage's records are read from the DHT at most 
 Hop = tuple[str, str]  # (peer id, address)
 
 
-def check_route(spec: RunSpec, stage: int, request: swarm_pb2.ChainRequest) -> list[list[Hop]]:
-    """The route as ``[[(peer id, address), ...] per later stage]``; RequestError when it is malformed."""
-    left = spec.num_stages - 1 - stage
+def check_ticket(ticket: bytes) -> None:
+    """Chained calls are bound to the trainer's secret for the micro-batch: required, and bounded."""
+    if not MIN_TICKET_BYTES <= len(ticket) <= MAX_TICKET_BYTES:
+        raise RequestError(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            f"a chained request needs a ticket of {MIN_TICKET_BYTES}..{MAX_TICKET_BYTES} bytes, got {len(ticket)}",
+        )
+
+
+def check_route(spec: RunSpec, stage: int, request: swarm_pb2.ChainRequest) -> tuple[list[list[Hop]], int]:
+    """(the route as ``[[(peer id, address), ...] per later stage of the segment]``, the segment's last stage);
+    RequestError when either is malformed."""
+    covers = request.segment_stages
+    if not 0 <= covers <= spec.num_stages - stage:
+        raise RequestError(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            f"segment_stages must lie in [0, {spec.num_stages - stage}] from stage {stage}, got {covers}",
+        )
+    end = spec.num_stages - 1 if covers == 0 else stage + covers - 1
+    left = end - stage
     if len(request.route) != left:
         raise RequestError(
             grpc.StatusCode.INVALID_ARGUMENT,
-            f"route names {len(request.route)} stages; {left} follow stage {stage} in a {spec.num_stages}-stage run",
+            f"route names {len(request.route)} stages; {left} follow stage {stage} in this chain (to stage {end} "
+            f"of a {spec.num_stages}-stage run)",
         )
-    if not MIN_TICKET_BYTES <= len(request.ticket) <= MAX_TICKET_BYTES:
-        raise RequestError(
-            grpc.StatusCode.INVALID_ARGUMENT,
-            f"a chained request needs a ticket of {MIN_TICKET_BYTES}..{MAX_TICKET_BYTES} bytes, got {len(request.ticket)}",
-        )
+    check_ticket(request.ticket)
     if not 0 < request.hop_timeout_s <= MAX_HOP_TIMEOUT_S:  # also refuses NaN
         raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, f"hop_timeout_s must lie in (0, {MAX_HOP_TIMEOUT_S:g}]")
     route = []
@@ -71,7 +86,7 @@ def check_route(spec: RunSpec, stage: int, request: swarm_pb2.ChainRequest) -> l
         if len(set(hops)) != len(hops):
             raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, f"{where}: a candidate is named twice")
         route.append(hops)
-    return route
+    return route, end
 
 
 def decode_targets(spec: RunSpec, msg: swarm_pb2.Tensor, rows: int, seq: int):

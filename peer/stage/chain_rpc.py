@@ -25,20 +25,23 @@ import time
 import grpc
 import torch
 
-from swarmpipe.peer.stage.chain_link import ChainLink
+from swarmpipe.peer.stage.chain_handover import Abandoned, Handovers
+from swarmpipe.peer.stage.chain_link import ChainLink, LinkAnswer
 from swarmpipe.peer.stage.chain_results import ChainDone, ChainResults, result_key
-from swarmpipe.peer.stage.chain_route import AnnouncedHops, check_route, decode_targets
+from swarmpipe.peer.stage.chain_route import AnnouncedHops, check_route, check_ticket, decode_targets
 from swarmpipe.peer.stage.error_contract import caller_key
 from swarmpipe.peer.stage.request_checks import (
+    FLOAT_DTYPES,
+    RequestError,
     check_header,
     decode_stage_input,
     pending_key,
     reply_codec,
 )
 from swarmpipe.peer.stage.runtime import UnknownMicrobatch
-from swarmpipe.peer.transport.chain_protocol import ChainBroken
+from swarmpipe.peer.transport.chain_protocol import MAX_HOP_TIMEOUT_S, ChainBroken
 from swarmpipe.peer.transport.codec_policy import ErrorFeedback
-from swarmpipe.peer.transport.wire import encode_parts
+from swarmpipe.peer.transport.wire import decode, encode_parts
 from swarmpipe.protos import swarm_pb2
 
 log = logging.getLogger("swarmpipe.server")
@@ -51,6 +54,7 @@ class ChainState:
     def __init__(self, servicer) -> None:
         self.link = ChainLink(servicer.spec)
         self.results = ChainResults()
+        self.handovers = Handovers()
         self.announced = AnnouncedHops(servicer.chain_members)
         self.error_feedback = ErrorFeedback()
 
@@ -76,7 +80,7 @@ class ChainRPCs:
             runtime = self.runtime
             check_header(self.spec, runtime.stage, request.run_id, request.stage, request.microbatch_id)
             self._require_accepting()
-            route = check_route(self.spec, runtime.stage, request)
+            route, end = check_route(self.spec, runtime.stage, request)
             reply = reply_codec(request.reply_codec, self.spec.compression.gradients)
             self._count_bytes(request.input, incoming=True)
             x = decode_stage_input(self.spec, runtime.is_first, request.input)
@@ -86,7 +90,7 @@ class ChainRPCs:
             hop_timeout = float(request.hop_timeout_s)
 
             async def work() -> ChainDone:
-                return await self._chain_work(request, mb, x, targets, route, hop_timeout)
+                return await self._chain_work(request, mb, x, targets, route, hop_timeout, end)
 
             try:
                 done = await self.chain.results.once(result_key(request.ticket, request.microbatch_id), caller, work)
@@ -117,6 +121,7 @@ class ChainRPCs:
         targets: torch.Tensor,
         route: list[list[tuple[str, str]]],
         hop_timeout: float,
+        end: int,
     ) -> ChainDone:
         runtime = self.runtime
         shape_key = (tuple(x.shape[1:]), x.dtype)
@@ -130,7 +135,10 @@ class ChainRPCs:
         out, siblings = await self._queued("forward", lambda: self.forwards.submit((mb, x), key=shape_key))
         self.siblings.remember(mb, siblings)
         try:
-            answer = await self._chain_next(request, out, targets, route, hop_timeout)
+            if runtime.stage == end:  # the trainer relays the next hop: it takes our output from here
+                answer = await self._chain_park(request, out, hop_timeout)
+            else:
+                answer = await self._chain_next(request, out, targets, route, hop_timeout, end)
         except BaseException:
             # nothing comes back for this forward: drop it now rather than when the stash expires
             runtime.submit(lambda: runtime._forget(mb))
@@ -146,7 +154,18 @@ class ChainRPCs:
         here = self._stage_result(result.applied, result.dropped_reason, answer.failed + replays)
         return ChainDone(result.grad_input, answer.response.loss, [here, *answer.response.stages], runtime.version)
 
-    async def _chain_next(self, request, out: torch.Tensor, targets, route, hop_timeout: float):
+    async def _chain_park(self, request, out: torch.Tensor, hop_timeout: float) -> LinkAnswer:
+        """Park our output for the trainer and wait for its gradient (chain_handover.py); a chain the trainer
+        abandons breaks at the next stage, as if no candidate of it had answered."""
+        key = result_key(request.ticket, request.microbatch_id)
+        left = self.spec.num_stages - self.runtime.stage
+        try:
+            grad = await self.chain.handovers.park(key, out, self.runtime.version, hop_timeout * left)
+        except Abandoned as e:
+            raise ChainBroken(self.runtime.stage + 1, str(e), unreachable=False) from None
+        return LinkAnswer(swarm_pb2.ChainResponse(), grad, "", 0)
+
+    async def _chain_next(self, request, out: torch.Tensor, targets, route, hop_timeout: float, end: int):
         """Send our output on to the next stage (the first candidate that takes it)."""
         nxt = self.runtime.stage + 1
         allowed, refused = await self.chain.announced.allowed(nxt, route[0])
@@ -173,11 +192,57 @@ class ChainRPCs:
                 ticket=request.ticket,
                 reply_codec=reply,
                 hop_timeout_s=request.hop_timeout_s,
+                segment_stages=max(0, request.segment_stages - 1),
             )
             return next_request, [payload, targets_bytes]
 
         left = self.spec.num_stages - nxt
-        return await self.chain.link.call(nxt, allowed, build, tuple(out.shape), hop_timeout * left)
+        return await self.chain.link.call(nxt, allowed, build, tuple(out.shape), hop_timeout * left, end)
+
+    # ------------------------------------------------------------ a segment's end, and the trainer
+    async def ChainHandover(
+        self, request: swarm_pb2.HandoverRequest, context: grpc.aio.ServicerContext, sink: dict | None = None
+    ) -> swarm_pb2.HandoverResponse:
+        """The output a chain parked here for the trainer (waiting ``wait_s`` for the chain to arrive)."""
+
+        async def handle() -> swarm_pb2.HandoverResponse:
+            check_header(self.spec, self.runtime.stage, request.run_id, request.stage, request.microbatch_id)
+            check_ticket(request.ticket)
+            if not 0 < request.wait_s <= MAX_HOP_TIMEOUT_S:  # also refuses NaN
+                raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, f"wait_s must lie in (0, {MAX_HOP_TIMEOUT_S:g}]")
+            codec = reply_codec(request.output_codec, self.spec.compression.activations)
+            key = result_key(request.ticket, request.microbatch_id)
+            parked = await self.chain.handovers.handover(key, caller_key(context.peer() or ""), request.wait_s)
+            output = self._encode(parked.output, codec, sink, "output")
+            return swarm_pb2.HandoverResponse(output=output, version=parked.version)
+
+        return await self._serve("chain_handover", context, handle)
+
+    async def ChainResume(
+        self, request: swarm_pb2.ResumeRequest, context: grpc.aio.ServicerContext, sink: dict | None = None
+    ) -> swarm_pb2.ResumeResponse:
+        """The gradient of a handed-over output (or ``abandon``): the parked chain goes on with its backward.
+        A gradient of the wrong shape or dtype is refused and the chain keeps waiting."""
+
+        async def handle() -> swarm_pb2.ResumeResponse:
+            check_header(self.spec, self.runtime.stage, request.run_id, request.stage, request.microbatch_id)
+            check_ticket(request.ticket)
+            key = result_key(request.ticket, request.microbatch_id)
+            parked = self.chain.handovers.waiting_for(key)
+            grad = None
+            if not request.abandon:
+                self._count_bytes(request.grad_output, incoming=True)
+                grad = decode(
+                    request.grad_output,
+                    max_elements=self.spec.limits.max_tensor_elements,
+                    allowed_dtypes=FLOAT_DTYPES,
+                    expect_shape=tuple(parked.output.shape),
+                    what="grad_output",
+                ).float()
+            self.chain.handovers.resume(key, grad)
+            return swarm_pb2.ResumeResponse(version=self.runtime.version)
+
+        return await self._serve("chain_resume", context, handle)
 
     def _stage_result(self, applied: bool, dropped_reason: str, retries: int) -> swarm_pb2.ChainStageResult:
         return swarm_pb2.ChainStageResult(
@@ -191,5 +256,6 @@ class ChainRPCs:
 
     async def close_chain(self) -> None:
         if self._chain_state is not None:
+            self._chain_state.handovers.close()
             await self._chain_state.results.close()
             await self._chain_state.link.close()

@@ -1,4 +1,4 @@
-"""The trainer's side of chained micro-batches: a route, one call, and the hops it takes itself.
+"""The trainer's side of chained micro-batches: routes, chain calls, and the hops it relays itself.
 
 In ``route = "chain"`` mode the trainer sends stage j (0, unless it relays some hops) the micro-batch's input,
 its targets and a route: for each later stage up to ``MAX_CANDIDATES`` replicas from its own routing (best
@@ -8,26 +8,26 @@ trainer counts stale drops and retries exactly as in hub mode. Its traffic per m
 in, a loss out.
 
 When the chain breaks at stage b (the peer before it reached none of its candidates: ABORTED, ``chain broke at
-stage b``), the micro-batch goes on at once with hop b through the trainer: hub forwards up to stage b-1 (from
-the input the trainer kept), a chained call from stage b on (the replicas there already answered for this
-micro-batch are asked again with the same ticket and answer from what they kept: nothing steps twice), hub
-backwards down to stage 0. The hop stays relayed by the trainer for a cooldown (5 s, doubling while it keeps
-breaking, up to 60 s), then chains are tried through it again: a peer that cannot dial the next stage (NAT, a
-relay that does not forward peer-to-peer calls) costs one failed dial per cooldown, not one per micro-batch.
+stage b``), hop b alone goes through the trainer: chains end at stage b-1, which parks its output; the trainer
+takes it, chains on from stage b, and gives the gradient back (peer/trainer/chain_segments.py). Every other hop
+stays peer to peer. The hop stays relayed for a cooldown (5 s, doubling while it keeps breaking, up to 60 s),
+then chains are tried through it again: a peer that cannot dial the next stage (two peers behind one NAT
+without hairpinning, an egress firewall) costs one failed dial per cooldown, not one per micro-batch.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import grpc
 import torch
 
 from swarmpipe.peer.events import EventLog, short_id
 from swarmpipe.peer.spec import RunSpec
+from swarmpipe.peer.trainer.chain_segments import ChainResult, OpenSegment, SegmentHandovers
 from swarmpipe.peer.trainer.routing import PeerView, Router
 from swarmpipe.peer.trainer.stage_calls import StageCalls
 from swarmpipe.peer.transport.chain_protocol import BROKEN, MAX_CANDIDATES, ChainBroken
@@ -37,14 +37,6 @@ from swarmpipe.protos import swarm_pb2
 HUB_COOLDOWN_S = 5.0
 HUB_COOLDOWN_MAX_S = 60.0
 ROUTES = ("chain", "hub")
-
-
-@dataclass
-class ChainResult:
-    loss: float
-    grad: torch.Tensor | None  # the gradient of stage j's input (None when j is 0)
-    stale: list[int]  # stages that dropped the gradient
-    retries: int  # candidates that failed on the way, plus replays, summed over stages
 
 
 class ChainCalls:
@@ -67,12 +59,24 @@ class ChainCalls:
         self.cooldown: dict[int, float] = {}  # stage b -> the next cooldown's length
         self.breaks = 0
         self.chained = 0  # micro-batches chained from stage 0: every hop peer to peer
+        self.split = 0  # micro-batches chained with some hops relayed by the trainer
+        self.hops_relayed = 0  # those hops, summed
+        self.handovers = SegmentHandovers(spec, calls, router, events, hop_timeout)
 
-    # ------------------------------------------------------------ where the chain starts
-    def start_stage(self) -> int:
-        """The first stage to chain from: 0, or past the last hop the trainer relays for now."""
+    # ------------------------------------------------------------ where chains end
+    def relayed_hops(self) -> list[int]:
+        """The hops (by the stage they lead into) that go through the trainer for now."""
         now = self.clock()
-        return max((s for s, until in self.hub_until.items() if until > now), default=0)
+        return sorted(s for s, until in self.hub_until.items() if until > now)
+
+    def relayed(self, hops: int) -> None:
+        """A micro-batch went through with ``hops`` hops carried by the trainer."""
+        self.split += hops > 0
+        self.hops_relayed += hops
+
+    def segment_end(self, stage: int) -> int:
+        """The last stage a chain from ``stage`` reaches: the one before the next hop the trainer relays."""
+        return min((s for s in self.relayed_hops() if s > stage), default=self.spec.num_stages) - 1
 
     def deadline(self, stage: int) -> float:
         """The whole chain from ``stage``: a hop's time per stage left, and one more for a retry on the way."""
@@ -102,9 +106,9 @@ class ChainCalls:
             reason=broken.reason[:120],
         )
 
-    def _chained_through(self, stage: int) -> None:
-        """A chain passed every hop after ``stage``: their cooldowns start over from the shortest."""
-        for s in range(stage + 1, self.spec.num_stages):
+    def _chained_through(self, stage: int, end: int) -> None:
+        """A chain passed every hop from ``stage`` to ``end``: their cooldowns start over from the shortest."""
+        for s in range(stage + 1, end + 1):
             if self.hub_until.get(s, 0.0) <= self.clock():
                 self.cooldown.pop(s, None)
 
@@ -112,10 +116,11 @@ class ChainCalls:
     def _spread(self, view: PeerView) -> float:
         return self.router.expected_finish(view) * (1.0 + 0.1 * self.router.rng.random())
 
-    def route(self, stage: int) -> list[swarm_pb2.ChainCandidates]:
-        """Candidates for every stage after ``stage``, best expected finish first; ChainBroken when a stage has none."""
+    def route(self, stage: int, end: int) -> list[swarm_pb2.ChainCandidates]:
+        """Candidates for every stage after ``stage`` up to ``end``, best expected finish first; ChainBroken when
+        a stage has none."""
         route = []
-        for s in range(stage + 1, self.spec.num_stages):
+        for s in range(stage + 1, end + 1):
             # jittered like the hub's choice, and counting our chains in flight through each replica (below):
             # else every chain would name the same first candidate and its siblings would idle
             views = sorted(self.router.available(s), key=self._spread)[:MAX_CANDIDATES]
@@ -129,13 +134,51 @@ class ChainCalls:
         return route
 
     async def call(self, view: PeerView, stage: int, mb_id: str, x: torch.Tensor, targets: torch.Tensor) -> ChainResult:
-        """The micro-batch from ``stage`` on, through ``view``. ChainBroken: a later hop broke (not ``view``'s
-        fault: its in-flight count is settled here); any other error is ``view``'s, as for a hub call."""
+        """The micro-batch from ``stage`` to the last stage, through ``view``. ChainBroken: a later hop broke
+        (not ``view``'s fault: its in-flight count is settled here); any other error is ``view``'s, as for a hub
+        call."""
+        result = await self._send(view, stage, self.spec.num_stages - 1, mb_id, x, targets)
+        self.chained += stage == 0
+        return result
+
+    async def open(
+        self, view: PeerView, stage: int, end: int, mb_id: str, x: torch.Tensor, targets: torch.Tensor
+    ) -> OpenSegment:
+        """A chain from ``stage`` to ``end`` (< the last stage), through ``view``, with the output ``end`` parked
+        taken (``seg.output``; or ``seg.finished`` when the chain answered without parking). Errors as ``call``."""
+        route = self._route_or_settle(view, stage, end)
+        holders = [view]
+        if end > stage:
+            holders = [self.router.peers[h.peer_id] for h in route[-1].hops if h.peer_id in self.router.peers]
+        task = asyncio.ensure_future(self._send(view, stage, end, mb_id, x, targets, route))
+        seg = OpenSegment(stage, end, view, x, task, holders)
         try:
-            route = self.route(stage)
+            await self.handovers.take(seg, mb_id, self.deadline(stage))
+        except BaseException:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            raise
+        return seg
+
+    def _route_or_settle(self, view: PeerView, stage: int, end: int) -> list[swarm_pb2.ChainCandidates]:
+        try:
+            return self.route(stage, end)
         except ChainBroken:
             view.in_flight = max(0, view.in_flight - 1)
             raise
+
+    async def _send(
+        self,
+        view: PeerView,
+        stage: int,
+        end: int,
+        mb_id: str,
+        x: torch.Tensor,
+        targets: torch.Tensor,
+        route: list[swarm_pb2.ChainCandidates] | None = None,
+    ) -> ChainResult:
+        if route is None:
+            route = self._route_or_settle(view, stage, end)
         codec = self.calls.codec("activations", view, x) if stage > 0 else "none"
         header, payload = encode_parts(x, codec)
         request = swarm_pb2.ChainRequest(
@@ -148,15 +191,16 @@ class ChainCalls:
             ticket=self.calls.ticket(mb_id),
             reply_codec=self.calls.codec("gradients", view, x) if stage > 0 else "",
             hop_timeout_s=self.hop_timeout,
+            segment_stages=0 if end == self.spec.num_stages - 1 else end - stage + 1,
         )
         firsts = [self.router.peers.get(c.hops[0].peer_id) for c in route]
         downstream = [v for v in firsts if v is not None]
         for v in downstream:  # the peer before tries its first candidate first: count it as ours in flight
             v.in_flight += 1
         try:
-            response = await self.calls.call(
-                view, "Chain", request, payloads=[payload, None], timeout=self.deadline(stage)
-            )
+            # a segment's call also spans the rest of the micro-batch (its end waits for the gradient)
+            timeout = self.deadline(stage) + (self.hop_timeout if end < self.spec.num_stages - 1 else 0.0)
+            response = await self.calls.call(view, "Chain", request, payloads=[payload, None], timeout=timeout)
         except grpc.aio.AioRpcError as e:
             broken = ChainBroken.parse(e.details()) if e.code() == BROKEN else None
             if broken is None or not stage < broken.stage < self.spec.num_stages:  # else: this peer's own failure
@@ -166,17 +210,16 @@ class ChainCalls:
         finally:
             for v in downstream:
                 v.in_flight = max(0, v.in_flight - 1)
-        result = self._read(stage, x, response)
-        self._chained_through(stage)
-        self.chained += stage == 0
+        result = self._read(stage, end, x, response)
+        self._chained_through(stage, end)
         return result
 
-    def _read(self, stage: int, x: torch.Tensor, response: swarm_pb2.ChainResponse) -> ChainResult:
+    def _read(self, stage: int, end: int, x: torch.Tensor, response: swarm_pb2.ChainResponse) -> ChainResult:
         """Stage ``stage``'s answer, checked as a hub answer is: a finite loss, one result per stage, the gradient."""
         if not torch.isfinite(torch.tensor(float(response.loss))):
             raise WireError(f"stage {stage} returned a non-finite loss")
         stages = list(response.stages)
-        if [s.stage for s in stages] != list(range(stage, self.spec.num_stages)):
+        if [s.stage for s in stages] != list(range(stage, end + 1)):
             raise WireError(f"stage {stage} answered for stages {[s.stage for s in stages][:8]}")
         grad = None
         if stage > 0:
@@ -197,7 +240,7 @@ class ChainCalls:
                     reason=s.dropped_reason[:80],
                 )
         return ChainResult(
-            loss=float(response.loss),
+            loss=float(response.loss) if end == self.spec.num_stages - 1 else None,
             grad=grad,
             stale=[s.stage for s in stages if not s.applied],
             retries=sum(max(0, min(s.retries, 1000)) for s in stages),

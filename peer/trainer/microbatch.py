@@ -30,6 +30,7 @@ import torch
 from swarmpipe.peer.events import EventLog, short_id
 from swarmpipe.peer.spec import RunSpec
 from swarmpipe.peer.trainer.chain import ChainCalls
+from swarmpipe.peer.trainer.chain_segments import ChainResult, OpenSegment
 from swarmpipe.peer.trainer.routing import PeerView
 from swarmpipe.peer.trainer.stage_calls import StageCalls
 from swarmpipe.peer.trainer.swarm_view import SwarmView
@@ -80,6 +81,7 @@ class Journey:
 
     retries: int = 0
     stale_stages: list[int] = field(default_factory=list)
+    relayed_hops: int = 0  # chain mode: hops the trainer carried (a segment's end to the next segment)
 
 
 class MicrobatchRunner:
@@ -113,67 +115,23 @@ class MicrobatchRunner:
     # ------------------------------------------------------------ the journey
     async def run(self, mb_id: str, tokens: torch.Tensor, targets: torch.Tensor) -> MicrobatchOutcome:
         """Take one micro-batch through every stage and back. Never raises for a micro-batch's own failure:
-        that is an outcome; only a bug or cancellation escapes. Chain mode: chained from stage 0 (or past the
-        hops relayed for now); a micro-batch sampled for verification goes the hub way, every stage checked."""
-        if self.chain is not None and not self.verifier.sampled():
-            return await self._journey(mb_id, tokens, targets, self.chain.start_stage())
-        token = _VERIFY_ALL.set(self.chain is not None)
-        try:
-            return await self._journey(mb_id, tokens, targets, None)
-        finally:
-            _VERIFY_ALL.reset(token)
-
-    async def _journey(
-        self, mb_id: str, tokens: torch.Tensor, targets: torch.Tensor, chain_at: int | None
-    ) -> MicrobatchOutcome:
-        """Hub forwards up to ``chain_at`` (all but the last stage when None), a chained call from there (a
-        ForwardBackward when None), hub backwards. A chain that breaks at stage b goes on from b the same way."""
-        P = self.spec.num_stages
+        that is an outcome; only a bug or cancellation escapes. Chain mode: chained from stage 0, the hops the
+        trainer relays for now taken by it; a micro-batch sampled for verification goes the hub way, every
+        stage checked."""
         journey = Journey()
-        inputs: list[torch.Tensor] = [tokens]
-        peers: list[PeerView] = []
         try:
-            while True:
-                for stage in range(len(peers), P - 1 if chain_at is None else chain_at):
-                    out, view = await self._with_retries(
-                        stage,
-                        lambda v, s=stage: self.calls.forward(v, s, mb_id, inputs[s]),
-                        journey,
-                        check=lambda v, y, s=stage: self._check_output(v, s, inputs[s], y, mb_id),
-                    )
-                    inputs.append(out)
-                    peers.append(view)
-                if chain_at is None:
-                    (loss, grad, dropped), _ = await self._with_retries(
-                        P - 1,
-                        lambda v: self.calls.forward_backward(v, P - 1, mb_id, inputs[P - 1], targets),
-                        journey,
-                        check=lambda v, r: self._check_gradient(
-                            v, P - 1, inputs[P - 1], r[1], None, targets, r[0], mb_id
-                        ),
-                    )
-                    journey.stale_stages += [P - 1] if dropped else []
-                    break
-                try:
-                    result, _ = await self._with_retries(
-                        chain_at,
-                        lambda v, j=chain_at: self.chain.call(v, j, mb_id, inputs[j], targets),
-                        journey,
-                        timeout=self.chain.deadline(chain_at),
-                    )
-                except ChainBroken as e:  # hop e.stage goes through us: hub forwards up to it, chained from it
-                    self.chain.broke(e, mb_id)
-                    journey.retries += 1
-                    chain_at = e.stage
-                    continue
-                loss, grad = result.loss, result.grad
+            if self.chain is not None and not self.verifier.sampled():
+                result = await self._chained(0, mb_id, tokens, targets, journey)
+                loss = result.loss
                 journey.retries += result.retries
                 journey.stale_stages += result.stale
-                break
-            for stage in range(len(peers) - 1, -1, -1):
-                grad, dropped = await self._backward(stage, mb_id, peers[stage], inputs[stage], grad, journey)
-                if dropped:
-                    journey.stale_stages.append(stage)
+                self.chain.relayed(journey.relayed_hops)
+            else:
+                token = _VERIFY_ALL.set(self.chain is not None)
+                try:
+                    loss = await self._hub(mb_id, tokens, targets, journey)
+                finally:
+                    _VERIFY_ALL.reset(token)
         except (NoReplica, Rejected) as e:
             self.events.emit("microbatch_failed", level=logging.ERROR, microbatch=mb_id, reason=str(e))
             return MicrobatchOutcome(mb_id, MicrobatchStatus.FAILED, retries=journey.retries, reason=str(e))
@@ -187,6 +145,101 @@ class MicrobatchRunner:
                 reason=f"gradient dropped as stale by stage {stages}",
             )
         return MicrobatchOutcome(mb_id, MicrobatchStatus.COMPLETED, loss=loss, retries=journey.retries)
+
+    async def _hub(self, mb_id: str, tokens: torch.Tensor, targets: torch.Tensor, journey: Journey) -> float:
+        """Every hop through the trainer: forwards, the last stage's ForwardBackward, backwards; the loss."""
+        P = self.spec.num_stages
+        inputs: list[torch.Tensor] = [tokens]
+        peers: list[PeerView] = []
+        for stage in range(P - 1):
+            out, view = await self._with_retries(
+                stage,
+                lambda v, s=stage: self.calls.forward(v, s, mb_id, inputs[s]),
+                journey,
+                check=lambda v, y, s=stage: self._check_output(v, s, inputs[s], y, mb_id),
+            )
+            inputs.append(out)
+            peers.append(view)
+        (loss, grad, dropped), _ = await self._with_retries(
+            P - 1,
+            lambda v: self.calls.forward_backward(v, P - 1, mb_id, inputs[P - 1], targets),
+            journey,
+            check=lambda v, r: self._check_gradient(v, P - 1, inputs[P - 1], r[1], None, targets, r[0], mb_id),
+        )
+        journey.stale_stages += [P - 1] if dropped else []
+        for stage in range(P - 2, -1, -1):
+            grad, dropped = await self._backward(stage, mb_id, peers[stage], inputs[stage], grad, journey)
+            if dropped:
+                journey.stale_stages.append(stage)
+        return loss
+
+    async def _chained(
+        self,
+        stage: int,
+        mb_id: str,
+        x: torch.Tensor,
+        targets: torch.Tensor,
+        journey: Journey,
+        upto: int | None = None,
+        grad_out: torch.Tensor | None = None,
+        per_hop: bool = False,
+    ) -> ChainResult:
+        """Stages ``stage``..``upto`` (the last when None) from input ``x``, peer to peer except the hops the
+        trainer relays for now (a chain ends before each; its end parks the output, which we carry on). With
+        ``upto``, ``grad_out`` is the gradient of its output: a segment run again after its chain failed, then
+        ``per_hop`` (every hop through us: nothing in it can break again)."""
+        P = self.spec.num_stages
+        last = P - 1 if upto is None else upto
+        while True:
+            end = stage if per_hop else min(last, self.chain.segment_end(stage))
+            deadline = self.chain.deadline(stage)
+            try:
+                if end == P - 1:
+                    result, _ = await self._with_retries(
+                        stage, lambda v: self.chain.call(v, stage, mb_id, x, targets), journey, timeout=deadline
+                    )
+                    return result
+                seg, _ = await self._with_retries(
+                    stage, lambda v, e=end: self.chain.open(v, stage, e, mb_id, x, targets), journey, timeout=deadline
+                )
+                break
+            except ChainBroken as e:  # hop e.stage goes through us from now on: chains end before it
+                self.chain.broke(e, mb_id)
+                journey.retries += 1
+        if seg.finished is not None:  # every stage of it had done its part already (a segment run again)
+            return seg.finished
+        journey.relayed_hops += 1
+        try:
+            if end < last:
+                later = await self._chained(end + 1, mb_id, seg.output, targets, journey, upto, grad_out, per_hop)
+            else:
+                later = ChainResult(None, grad_out, [], 0)
+        except BaseException:
+            await self.chain.handovers.abandon(seg, mb_id)
+            raise
+        here = await self._close(seg, mb_id, later.grad, targets, journey)
+        return ChainResult(later.loss, here.grad, here.stale + later.stale, here.retries + later.retries)
+
+    async def _close(
+        self, seg: OpenSegment, mb_id: str, grad: torch.Tensor, targets: torch.Tensor, journey: Journey
+    ) -> ChainResult:
+        """A segment's backward: its end gets the gradient, the chain answers. When that fails (a peer of the
+        segment died meanwhile), the segment runs again hop by hop through us from its kept input: stages that
+        already did their part answer from what they kept, the others recompute (a replay)."""
+        self.router.started(seg.view)
+        try:
+            close = self.chain.handovers.close(seg, mb_id, grad)
+            return await self._timed(seg.view, close, measure=False, timeout=self.chain.deadline(seg.start))
+        except (grpc.aio.AioRpcError, asyncio.TimeoutError, WireError, ChainBroken) as e:
+            if not isinstance(e, ChainBroken):  # a break settled the replica's count already; it is not to blame
+                self._failed(seg.view, e)
+            reason = _reason(e)
+        await self.chain.handovers.abandon(seg, mb_id)
+        journey.retries += 1
+        self.events.emit(
+            "replay", level=logging.WARNING, stage=seg.start, microbatch=mb_id, upto=seg.end, reason=reason[:160]
+        )
+        return await self._chained(seg.start, mb_id, seg.x, targets, journey, seg.end, grad, per_hop=True)
 
     async def evaluate(self, inputs: torch.Tensor, targets: torch.Tensor) -> float | None:
         """Validation loss of one batch: forward-only through every stage on the live weights, each hop on

@@ -63,11 +63,18 @@ class StageCalls:
 
     # ------------------------------------------------------------ plumbing
     async def call(
-        self, view: PeerView, method: str, request, payloads: list | None = None, timeout: float | None = None
+        self,
+        view: PeerView,
+        method: str,
+        request,
+        payloads: list | None = None,
+        timeout: float | None = None,
+        expected_bytes: int | None = None,
     ):
         """Unary when small, chunked stream when large. ``payloads``: the request's tensor bytes as buffers,
         per tensor field (None: in the message); a streamed request frames them straight from tensor storage.
-        ``timeout``: the call's deadline (default ``call_timeout``; a chained call covers several stages)."""
+        ``timeout``: the call's deadline (default ``call_timeout``; a chained call covers several stages).
+        ``expected_bytes``: the reply's size when it is larger than the request (a handover's output)."""
         sent = request.ByteSize() + sum(memoryview(p).nbytes for p in payloads or () if p is not None)
         self.bytes_sent += sent  # counted even when the call fails: the bytes left all the same
         with self.policy.timed(view.address) as timed:
@@ -78,6 +85,7 @@ class StageCalls:
                 request,
                 timeout=timeout or self.call_timeout,
                 payloads=payloads,
+                expected_bytes=expected_bytes,
             )
             self.bytes_received += response.ByteSize()
             timed.nbytes = sent + response.ByteSize()
@@ -98,7 +106,7 @@ class StageCalls:
         configured = self.act_codec if role == "activations" else self.grad_codec
         return self.policy.choose(role, configured, view.address, t.numel() * 4)
 
-    def _encode_grad(self, stage: int, view: PeerView, grad: torch.Tensor) -> swarm_pb2.Tensor:
+    def encode_grad(self, stage: int, view: PeerView, grad: torch.Tensor) -> swarm_pb2.Tensor:
         codec = self.codec("gradients", view, grad)
         if codec in ("uint8", "blockwise8"):  # 8-bit: carry what quantization lost into the next gradient
             return self.error_feedback.encode((stage, tuple(grad.shape)), grad, codec)
@@ -185,7 +193,7 @@ class StageCalls:
             run_id=self.spec.run_id,
             stage=stage,
             microbatch_id=mb_id,
-            grad_output=self._encode_grad(stage, view, grad),
+            grad_output=self.encode_grad(stage, view, grad),
             reply_codec=self.codec("gradients", view, grad),
             ticket=self.ticket(mb_id),
         )

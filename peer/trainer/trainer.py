@@ -179,6 +179,8 @@ class Trainer:
             route=cfg.route,
             chain_breaks=chain.breaks if chain else 0,
             microbatches_chained=chain.chained if chain else 0,
+            microbatches_split=chain.split if chain else 0,
+            hops_relayed=chain.hops_relayed if chain else 0,
         )
         last = swarm.announce_trainer(self._record(spec.microbatch_size), ttl=60)
         try:  # after a signal the process is asked to leave: a slow DHT must not keep it

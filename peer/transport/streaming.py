@@ -32,6 +32,8 @@ METHODS = {
         ("grad_input",),
     ),
     "Chain": (swarm_pb2.ChainRequest, swarm_pb2.ChainResponse, ("input", "targets"), ("grad_input",)),  # chain_rpc.py
+    "ChainHandover": (swarm_pb2.HandoverRequest, swarm_pb2.HandoverResponse, (), ("output",)),
+    "ChainResume": (swarm_pb2.ResumeRequest, swarm_pb2.ResumeResponse, ("grad_output",), ()),
 }
 MB = 1 << 20
 DEFAULT_CHUNK = 1 * MB

@@ -18,7 +18,7 @@ import torch
 from swarm_support import Swarm
 
 from swarmpipe.cli.launcher import wait_for
-from swarmpipe.peer.transport.wire import encode
+from swarmpipe.peer.transport.wire import decode, encode
 from swarmpipe.protos import swarm_pb2, swarm_pb2_grpc
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(420)]
@@ -200,3 +200,88 @@ async def test_hostile_chained_requests_are_refused_and_dial_nobody(chain_swarm)
             assert [s.version for s in again.stages] == [s.version for s in ok.stages]
     finally:
         stranger.close()
+
+
+async def test_a_chain_ends_where_the_trainer_carries_the_hop_and_hostile_handovers_lose_nothing(chain_swarm):
+    """Hop 2 relayed by the trainer: the chain 0 -> 1 parks stage 1's output; the trainer takes it (asking both
+    stage-1 replicas, as it cannot know which one stage 0 reached), chains on from stage 2, and gives the gradient
+    back. Lies, wrong tickets and wrong shapes on the way are refused and the park keeps waiting."""
+    first, mids, last = chain_swarm.infos[0], chain_swarm.infos[1:3], chain_swarm.infos[3]
+    channels = {i["peer_id"]: grpc.aio.insecure_channel(i["address"]) for i in chain_swarm.infos}
+    stubs = {pid: swarm_pb2_grpc.StageStub(c) for pid, c in channels.items()}
+    candidates = [(m["peer_id"], m["address"]) for m in mids]
+    tokens = torch.randint(0, 256, (2, 8))
+
+    def handover(mb: str, **over) -> swarm_pb2.HandoverRequest:
+        fields = dict(run_id="test", stage=1, microbatch_id=mb, ticket=TICKET, wait_s=20.0)
+        return swarm_pb2.HandoverRequest(**{**fields, **over})
+
+    def resume(mb: str, **over) -> swarm_pb2.ResumeRequest:
+        return swarm_pb2.ResumeRequest(**{**dict(run_id="test", stage=1, microbatch_id=mb, ticket=TICKET), **over})
+
+    async def take(mb: str) -> tuple[str, swarm_pb2.HandoverResponse]:
+        calls = {m["peer_id"]: stubs[m["peer_id"]].ChainHandover(handover(mb, wait_s=3.0), timeout=10) for m in mids}
+        answers = await asyncio.gather(*calls.values(), return_exceptions=True)
+        found = [(pid, a) for pid, a in zip(calls, answers) if not isinstance(a, Exception)]
+        assert len(found) == 1, answers  # the replica stage 0 reached has it; the other: NOT_FOUND
+        missing = [a for a in answers if isinstance(a, Exception)]
+        assert missing[0].code() == grpc.StatusCode.NOT_FOUND, missing
+        return found[0]
+
+    try:
+        stub0 = stubs[first["peer_id"]]
+        request = _request([candidates], input=encode(tokens), microbatch_id="seg-1", segment_stages=2)
+        chain = asyncio.ensure_future(stub0.Chain(request, timeout=90))
+        holder, got = await take("seg-1")
+        out = decode(got.output)
+        assert out.shape == (2, 8, 64) and torch.isfinite(out).all()
+        hostile = [
+            (handover("seg-1", wait_s=0.0), "ChainHandover", grpc.StatusCode.INVALID_ARGUMENT),
+            (handover("seg-1", wait_s=float("nan")), "ChainHandover", grpc.StatusCode.INVALID_ARGUMENT),
+            (handover("seg-1", wait_s=1e9), "ChainHandover", grpc.StatusCode.INVALID_ARGUMENT),
+            (handover("seg-1", ticket=b""), "ChainHandover", grpc.StatusCode.INVALID_ARGUMENT),
+            (handover("seg-1", ticket=b"x" * 20, wait_s=0.3), "ChainHandover", grpc.StatusCode.NOT_FOUND),
+            (handover("seg-1", stage=2), "ChainHandover", grpc.StatusCode.FAILED_PRECONDITION),  # not its stage
+            (resume("seg-1", ticket=b"x" * 20, grad_output=encode(torch.ones(2, 8, 64))), "ChainResume", None),
+            (resume("seg-1", grad_output=encode(torch.ones(2, 9, 64))), "ChainResume", None),  # wrong shape
+            (resume("seg-1", grad_output=encode(torch.ones(2, 8, 64, dtype=torch.int64))), "ChainResume", None),
+            (resume("seg-1", grad_output=encode(torch.ones(3))), "ChainResume", None),
+        ]
+        for message, method, code in hostile:
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await getattr(stubs[holder], method)(message, timeout=10)
+            expected = code or (
+                grpc.StatusCode.NOT_FOUND if message.ticket != TICKET else grpc.StatusCode.INVALID_ARGUMENT
+            )
+            assert info.value.code() == expected, (message, info.value)
+        assert not chain.done()  # the park keeps waiting through all of that
+        # the trainer's part: the hop 1 -> 2 it carries, then the gradient back
+        tail = _request([], stage=2, input=encode(out), microbatch_id="seg-1")
+        answer = await stubs[last["peer_id"]].Chain(tail, timeout=60)
+        assert [s.stage for s in answer.stages] == [2] and answer.loss > 0
+        await stubs[holder].ChainResume(resume("seg-1", grad_output=answer.grad_input), timeout=10)
+        done = await chain
+        assert [s.stage for s in done.stages] == [0, 1] and done.stages[1].peer_id == holder
+        assert all(s.applied for s in done.stages), done.stages
+        with pytest.raises(grpc.aio.AioRpcError) as info:  # resumed: nothing waits any more
+            await stubs[holder].ChainResume(resume("seg-1", grad_output=answer.grad_input), timeout=10)
+        assert info.value.code() == grpc.StatusCode.NOT_FOUND
+
+        # abandoned (the rest of the micro-batch failed): the chain breaks at the carried hop, keeps nothing, and
+        # the same micro-batch can go again
+        request = _request([candidates], input=encode(tokens), microbatch_id="seg-2", segment_stages=2)
+        chain = asyncio.ensure_future(stub0.Chain(request, timeout=90))
+        holder, _ = await take("seg-2")
+        await stubs[holder].ChainResume(resume("seg-2", abandon=True), timeout=10)
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await chain
+        assert info.value.code() == grpc.StatusCode.ABORTED
+        assert info.value.details().startswith("chain broke at stage 2 (failed): the trainer abandoned")
+        chain = asyncio.ensure_future(stub0.Chain(request, timeout=90))
+        holder, _ = await take("seg-2")  # parked again: the abandoned run kept nothing
+        await stubs[holder].ChainResume(resume("seg-2", abandon=True), timeout=10)
+        with pytest.raises(grpc.aio.AioRpcError):
+            await chain
+    finally:
+        for channel in channels.values():
+            await channel.close()

@@ -31,7 +31,7 @@ def _spec(stages: int = 3) -> RunSpec:
     return spec
 
 
-def _request(route, ticket=b"t" * 16, hop_timeout_s=10.0, stage=0) -> swarm_pb2.ChainRequest:
+def _request(route, ticket=b"t" * 16, hop_timeout_s=10.0, stage=0, segment_stages=0) -> swarm_pb2.ChainRequest:
     return swarm_pb2.ChainRequest(
         run_id="r",
         stage=stage,
@@ -39,6 +39,7 @@ def _request(route, ticket=b"t" * 16, hop_timeout_s=10.0, stage=0) -> swarm_pb2.
         route=[swarm_pb2.ChainCandidates(hops=[swarm_pb2.ChainHop(peer_id=p, address=a) for p, a in h]) for h in route],
         ticket=ticket,
         hop_timeout_s=hop_timeout_s,
+        segment_stages=segment_stages,
     )
 
 
@@ -49,8 +50,12 @@ def _record(address: str, state: PeerState = PeerState.ONLINE) -> StageRecord:
 # ------------------------------------------------------------------ the route
 def test_a_wellformed_route_reads_back_in_order():
     route = check_route(_spec(), 0, _request([[(A, "h:1"), (B, "h:2")], [(C, "h:3")]]))
-    assert route == [[(A, "h:1"), (B, "h:2")], [(C, "h:3")]]
-    assert check_route(_spec(), 2, _request([], stage=2)) == []  # the last stage: nothing follows
+    assert route == ([[(A, "h:1"), (B, "h:2")], [(C, "h:3")]], 2)
+    assert check_route(_spec(), 2, _request([], stage=2)) == ([], 2)  # the last stage: nothing follows
+    # a segment (the trainer relays the hop after its end): the route stops at the end
+    assert check_route(_spec(), 0, _request([[(A, "h:1")]], segment_stages=2)) == ([[(A, "h:1")]], 1)
+    assert check_route(_spec(), 1, _request([], stage=1, segment_stages=1)) == ([], 1)
+    assert check_route(_spec(), 1, _request([[(C, "h:3")]], stage=1, segment_stages=2)) == ([[(C, "h:3")]], 2)
 
 
 @pytest.mark.parametrize(
@@ -69,6 +74,10 @@ def test_a_wellformed_route_reads_back_in_order():
         ([[(A, "h:1")], [(C, "h:3")]], {"hop_timeout_s": 0.0}, "hop_timeout"),
         ([[(A, "h:1")], [(C, "h:3")]], {"hop_timeout_s": float("nan")}, "hop_timeout"),
         ([[(A, "h:1")], [(C, "h:3")]], {"hop_timeout_s": 1e9}, "hop_timeout"),
+        ([[(A, "h:1")], [(C, "h:3")]], {"segment_stages": 4}, "segment_stages"),  # past the last stage
+        ([[(A, "h:1")], [(C, "h:3")]], {"segment_stages": -1}, "segment_stages"),
+        ([[(A, "h:1")], [(C, "h:3")]], {"segment_stages": 2}, "route names 2"),  # a route past the segment's end
+        ([], {"segment_stages": 2}, "route names 0"),  # one short of it
     ],
 )
 def test_hostile_routes_are_refused_before_any_work(route, over, words):
@@ -233,11 +242,15 @@ def test_the_trainer_relays_a_broken_hop_for_a_doubling_cooldown():
     router = Router(3)
     events = _Events()
     chain = ChainCalls(_spec(), calls=None, router=router, events=events, hop_timeout=10.0, clock=lambda: now["t"])
-    assert chain.start_stage() == 0 and chain.deadline(0) == 40.0 and chain.deadline(2) == 20.0
+    assert chain.segment_end(0) == 2 and chain.deadline(0) == 40.0 and chain.deadline(2) == 20.0
     chain.broke(ChainBroken(2, "down", True), "mb-1")
-    assert chain.start_stage() == 2 and events.emitted[-1][0] == "chain_broken"
-    now["t"] = HUB_COOLDOWN_S + 0.1
-    assert chain.start_stage() == 0  # tried again after the cooldown
+    assert events.emitted[-1][0] == "chain_broken"
+    # hop 2 alone goes through the trainer: chains from 0 end at stage 1, the trainer chains on from 2
+    assert chain.relayed_hops() == [2] and chain.segment_end(0) == 1 and chain.segment_end(2) == 2
+    chain.broke(ChainBroken(1, "down", True), "mb-2")
+    assert chain.relayed_hops() == [1, 2] and chain.segment_end(0) == 0 and chain.segment_end(1) == 1
+    now["t"] = 2 * HUB_COOLDOWN_S + 0.1
+    assert chain.relayed_hops() == [] and chain.segment_end(0) == 2  # tried again after the cooldown
     lengths = []
     for _ in range(6):  # it breaks again at each try after a cooldown
         chain.broke(ChainBroken(2, "down", True), "mb")
@@ -257,7 +270,7 @@ def test_micro_batches_in_flight_when_a_hop_breaks_are_one_break_not_a_doubling_
     assert chain.hub_until[1] == pytest.approx(HUB_COOLDOWN_S) and chain.breaks == 4
     assert [f.get("again", False) for _, f in events.emitted] == [False, True, True, True]
     now["t"] = HUB_COOLDOWN_S + 0.1
-    assert chain.start_stage() == 0  # chains go peer to peer again after one cooldown
+    assert chain.segment_end(0) == 2  # chains go peer to peer again after one cooldown
 
 
 def test_the_route_names_the_best_replicas_of_every_later_stage():
@@ -266,12 +279,13 @@ def test_the_route_names_the_best_replicas_of_every_later_stage():
     router.update_stage(2, {C: _record("h:9")})
     router.peers["Qm0x"].in_flight = 5  # the busiest: last, and cut beyond MAX_CANDIDATES
     chain = ChainCalls(_spec(), calls=None, router=router, events=_Events(), hop_timeout=10.0)
-    route = chain.route(0)
+    route = chain.route(0, 2)
+    assert len(chain.route(0, 1)) == 1 and chain.route(1, 1) == []  # a segment's route ends at its end
     assert len(route) == 2 and len(route[0].hops) == MAX_CANDIDATES and "Qm0x" not in [h.peer_id for h in route[0].hops]
     assert [(h.peer_id, h.address) for h in route[1].hops] == [(C, "h:9")]
     router.update_stage(2, {})
     with pytest.raises(ChainBroken) as info:
-        chain.route(0)
+        chain.route(0, 2)
     assert info.value.stage == 2 and not info.value.unreachable
 
 
