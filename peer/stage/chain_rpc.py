@@ -7,7 +7,9 @@ with its output and the rest of the route (:mod:`chain_link`: the candidates in 
 bound dropped it meanwhile, recomputed from the input it still holds, counted as a replay), and answers its
 caller with its input gradient, the loss and what every stage from here on did. The last stage runs a
 ``ForwardBackward``. So a peer keeps what it sent downstream exactly until the downstream answer (= the
-backward) comes back, and the trainer's traffic per micro-batch is tokens in, loss out.
+backward) comes back, and the trainer's traffic per micro-batch is tokens in, loss out. A chain may end before
+the last stage (``segment_stages``: the trainer carries the next hop): its end parks the output for the
+trainer's ``ChainHandover`` and runs its backward when ``ChainResume`` brings the gradient (:mod:`chain_handover`).
 
 Every check of ``Forward`` applies before any work (header, draining, input tensor, reply codec), plus the
 route's and the targets'. A chain that cannot go on (no candidate of some later stage answered) is answered
