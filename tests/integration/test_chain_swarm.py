@@ -18,6 +18,7 @@ import torch
 from swarm_support import Swarm
 
 from swarmpipe.cli.launcher import wait_for
+from swarmpipe.peer.transport.streaming import StreamingCaller
 from swarmpipe.peer.transport.wire import decode, encode
 from swarmpipe.protos import swarm_pb2, swarm_pb2_grpc
 
@@ -282,6 +283,23 @@ async def test_a_chain_ends_where_the_trainer_carries_the_hop_and_hostile_handov
         await stubs[holder].ChainResume(resume("seg-2", abandon=True), timeout=10)
         with pytest.raises(grpc.aio.AioRpcError):
             await chain
+
+        # an output and a gradient too large for one message travel as frame streams, as activations do
+        big = torch.randint(0, 256, (16, 32))
+        request = _request(
+            [candidates], input=encode(big), targets=encode(big), microbatch_id="seg-3", segment_stages=2
+        )
+        chain = asyncio.ensure_future(stub0.Chain(request, timeout=90))
+        holder, _ = await take("seg-3")
+        streamed = StreamingCaller(threshold_bytes=1024, chunk_bytes=4096)
+        args = (channels[holder], stubs[holder])
+        got = await streamed.call(
+            *args, "ChainHandover", handover("seg-3"), timeout=10, expected_bytes=16 * 32 * 64 * 4
+        )
+        assert decode(got.output).shape == (16, 32, 64)
+        grad = encode(torch.full((16, 32, 64), 1e-4))
+        await streamed.call(*args, "ChainResume", resume("seg-3", grad_output=grad), timeout=10)
+        assert [s.stage for s in (await chain).stages] == [0, 1]
     finally:
         for channel in channels.values():
             await channel.close()
