@@ -69,17 +69,10 @@ class SegmentHandovers:
     async def take(self, seg: OpenSegment, mb_id: str, wait: float) -> None:
         """Fill ``seg.output`` and ``seg.holder`` from the replica that parked it, or ``seg.finished`` when the
         chain answered without parking; raises the chain's own error, or WireError when no candidate has it."""
-        rows, seq = seg.x.shape[0], seg.x.shape[1]
-        fetch = asyncio.ensure_future(self._take_any(seg.holders, seg.end, mb_id, rows, seq, wait))
-        try:
-            await asyncio.wait({seg.task, fetch}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            if not fetch.done():
-                fetch.cancel()
+        got = await self._park_or_answer(seg, mb_id, wait)
         if seg.task.done():
             seg.finished = seg.task.result()  # the chain's error, if it failed
             return
-        got = fetch.result()
         if got is None:
             raise WireError(f"no replica of stage {seg.end} handed over micro-batch {mb_id}'s output")
         seg.output, seg.holder = got
@@ -89,19 +82,38 @@ class SegmentHandovers:
         hop's time later, look for a new park (the holder died, another candidate took the micro-batch)."""
         if seg.finished is not None:
             return seg.finished
-        await self._give(seg.holder, seg.end, mb_id, grad)
+        given = await self._give(seg.holder, seg.end, mb_id, grad)
         while True:
             done, _ = await asyncio.wait({seg.task}, timeout=self.hop_timeout)
             if done:
                 return seg.task.result()
-            rows, seq = seg.x.shape[0], seg.x.shape[1]
-            got = await self._take_any(seg.holders, seg.end, mb_id, rows, seq, self.hop_timeout)
-            if got is not None and got[1] is not seg.holder:
-                self.events.emit(
-                    "handover_moved", level=logging.INFO, microbatch=mb_id, stage=seg.end, peer=short_id(got[1].peer_id)
-                )
+            got = await self._park_or_answer(seg, mb_id, self.hop_timeout)
+            if seg.task.done():
+                return seg.task.result()
+            if got is not None and (got[1] is not seg.holder or not given):
+                if got[1] is not seg.holder:
+                    self.events.emit(
+                        "handover_moved",
+                        level=logging.INFO,
+                        microbatch=mb_id,
+                        stage=seg.end,
+                        peer=short_id(got[1].peer_id),
+                    )
                 seg.holder = got[1]
-                await self._give(seg.holder, seg.end, mb_id, grad)
+                given = await self._give(seg.holder, seg.end, mb_id, grad)
+
+    async def _park_or_answer(self, seg: OpenSegment, mb_id: str, wait: float) -> tuple[torch.Tensor, PeerView] | None:
+        """Whichever comes first: a candidate hands over the parked output (returned), or the chain answers
+        (``seg.task`` done; None). None too when no candidate had it within ``wait``."""
+        rows, seq = seg.x.shape[0], seg.x.shape[1]
+        fetch = asyncio.ensure_future(self._take_any(seg.holders, seg.end, mb_id, rows, seq, wait))
+        try:
+            await asyncio.wait({seg.task, fetch}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            if not fetch.done():
+                fetch.cancel()
+                await asyncio.gather(fetch, return_exceptions=True)
+        return None if fetch.cancelled() else fetch.result()
 
     async def abandon(self, seg: OpenSegment, mb_id: str) -> None:
         """The rest of the micro-batch failed: the parked chain drops its forwards and ends; never raises."""
