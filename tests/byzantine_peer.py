@@ -2,7 +2,7 @@
 
 Run as a LocalSwarm ``prefix``: ``python tests/byzantine_peer.py MODE -- <the usual peer command>``. The peer
 joins, loads state, averages and announces like any other; only the tensors it returns from training calls
-(a Forward's output, a Backward's or ForwardBackward's input gradient; in a chain, the output it passes on and the
+(a Forward's output, a Backward's or ForwardBackward's input gradient; in a chain, the output it passes on or parks, and the
 input gradient it returns) are corrupted, so forward-only calls
 (validation, a second opinion, verification probes) get honest answers, as a careful attacker would give.
 
@@ -52,11 +52,17 @@ def install(mode: str) -> None:
 
     chain_next = servicer._chain_next
 
-    async def lying_chain_next(self, request, out, targets, route, hop_timeout):
-        return await chain_next(self, request, corrupt(out).to(out.dtype), targets, route, hop_timeout)
+    async def lying_chain_next(self, request, out, *rest):
+        return await chain_next(self, request, corrupt(out).to(out.dtype), *rest)
 
     servicer._encode = lying_encode
     servicer._chain_next = lying_chain_next  # a chained output goes straight to the next stage: lie there too
+    park = servicer._chain_park
+
+    async def lying_chain_park(self, request, out, *rest):
+        return await park(self, request, corrupt(out).to(out.dtype), *rest)
+
+    servicer._chain_park = lying_chain_park  # and the output a chain parks for the trainer to carry on
     servicer.Chain = marking(servicer.Chain, lambda r: True)  # and on the input gradient a chain returns
     servicer.Forward = marking(servicer.Forward, lambda r: not r.evaluate)
     servicer.ForwardBackward = marking(servicer.ForwardBackward, lambda r: not r.evaluate)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import time
 from collections.abc import AsyncIterator
 
 import grpc
@@ -115,16 +116,24 @@ def _forward(microbatch: str) -> swarm_pb2.ForwardRequest:
 async def test_strangers_are_refused_on_every_method_before_parsing(swarm_peer, caplog) -> None:
     servicer, address, _, stranger = swarm_peer
     caplog.set_level(logging.INFO)
+    started = time.monotonic()
     async with stranger.channel(address) as channel:
         for method in METHODS:
             for payload in (b"", b"\xff\xff\xff"):  # garbage would be INVALID_ARGUMENT if it were parsed
                 error = await _raw_call(channel, method, payload)
+                for _ in range(3):  # a request stream still being written when the server ends the call can
+                    # surface client-side as INTERNAL "from Core" (seen in a full CI run): ask again for the answer
+                    if not (METHODS[method][0] and error.code() == grpc.StatusCode.INTERNAL):
+                        break
+                    error = await _raw_call(channel, method, payload)
                 assert error.code() == grpc.StatusCode.UNAUTHENTICATED, (method, error.code(), error.details())
                 assert len(error.details()) < 256
     assert servicer.metrics.errors.labels("forward", "unauthenticated")._value.get() == 2
     assert servicer.runtime.stats.samples == 0  # no work done
     refused = [r for r in caplog.records if r.name == "swarmpipe.server" and "rejected" in r.getMessage()]
-    assert len(refused) == 1, [r.getMessage() for r in refused]  # 14 refusals, one line per caller
+    # 32 refusals, one line per caller per interval (a slow machine may take more than one interval)
+    intervals = 1 + int((time.monotonic() - started) // servicer.rejections.limit.interval_s)
+    assert 1 <= len(refused) <= intervals, [r.getMessage() for r in refused]
     assert not [r for r in caplog.records if r.exc_info]
 
 
