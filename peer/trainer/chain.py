@@ -161,6 +161,7 @@ class ChainCalls:
         return seg
 
     def _route_or_settle(self, view: PeerView, stage: int, end: int) -> list[swarm_pb2.ChainCandidates]:
+        """``route``; when a stage has no replica, ``view`` was counted in flight for nothing: settle it."""
         try:
             return self.route(stage, end)
         except ChainBroken:
