@@ -69,6 +69,18 @@ class ChainCalls:
         now = self.clock()
         return sorted(s for s, until in self.hub_until.items() if until > now)
 
+    @staticmethod
+    def counters(chain: ChainCalls | None) -> dict[str, int]:
+        """The report's chain counters (all 0 in hub mode)."""
+        if chain is None:
+            return dict(chain_breaks=0, microbatches_chained=0, microbatches_split=0, hops_relayed=0)
+        return dict(
+            chain_breaks=chain.breaks,
+            microbatches_chained=chain.chained,
+            microbatches_split=chain.split,
+            hops_relayed=chain.hops_relayed,
+        )
+
     def relayed(self, hops: int) -> None:
         """A micro-batch went through with ``hops`` hops carried by the trainer."""
         self.split += hops > 0

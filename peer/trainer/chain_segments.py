@@ -27,6 +27,7 @@ from swarmpipe.peer.events import EventLog, short_id
 from swarmpipe.peer.spec import RunSpec
 from swarmpipe.peer.trainer.routing import PeerView, Router
 from swarmpipe.peer.trainer.stage_calls import StageCalls
+from swarmpipe.peer.transport.chain_protocol import MAX_HOP_TIMEOUT_S
 from swarmpipe.peer.transport.wire import WireError, decode
 from swarmpipe.protos import swarm_pb2
 
@@ -153,7 +154,7 @@ class SegmentHandovers:
             microbatch_id=mb_id,
             ticket=self.calls.ticket(mb_id),
             output_codec=codec,
-            wait_s=min(wait, 300.0),
+            wait_s=min(wait, MAX_HOP_TIMEOUT_S),
         )
         response = await self.calls.call(holder, "ChainHandover", request, timeout=wait + 5.0, expected_bytes=nbytes)
         out = decode(

@@ -17,11 +17,9 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
-import enum
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
 from typing import TypeVar
 
 import grpc
@@ -31,6 +29,13 @@ from swarmpipe.peer.events import EventLog, short_id
 from swarmpipe.peer.spec import RunSpec
 from swarmpipe.peer.trainer.chain import ChainCalls
 from swarmpipe.peer.trainer.chain_segments import ChainResult, OpenSegment
+from swarmpipe.peer.trainer.outcome import (
+    Journey,
+    MicrobatchOutcome,
+    MicrobatchStatus,
+    NoReplica,
+    Rejected,
+)
 from swarmpipe.peer.trainer.routing import PeerView
 from swarmpipe.peer.trainer.stage_calls import StageCalls
 from swarmpipe.peer.trainer.swarm_view import SwarmView
@@ -48,40 +53,6 @@ WAIT_LOG_PERIOD_S = 10.0
 T = TypeVar("T")
 # Set in a micro-batch's own task: it goes the hub way and every stage's answer is verified (chain mode's sample).
 _VERIFY_ALL: contextvars.ContextVar[bool] = contextvars.ContextVar("verify_all", default=False)
-
-
-class NoReplica(RuntimeError):
-    pass
-
-
-class Rejected(RuntimeError):
-    """Every live replica of a stage called the request invalid: this micro-batch cannot go on."""
-
-
-class MicrobatchStatus(str, enum.Enum):
-    COMPLETED = "completed"  # stage 0 acknowledged its backward; every stage applied the gradient
-    DROPPED_STALE = "dropped_stale"  # ran to the end, but some stage refused its gradient as too old
-    FAILED = "failed"  # stopped part way: no live replica for wait_timeout, or every replica rejected it
-
-
-@dataclass(frozen=True)
-class MicrobatchOutcome:
-    """How one micro-batch ended: what ``MicrobatchRunner.run`` returns and the trainer counts."""
-
-    microbatch_id: str
-    status: MicrobatchStatus
-    loss: float | None = None  # the last stage's loss; None when it failed before (or at) the last stage
-    retries: int = 0  # calls sent again: forwards retried on another replica plus backwards replayed
-    reason: str = ""  # why it failed, or which stages dropped it as stale; empty when completed
-
-
-@dataclass
-class Journey:
-    """One micro-batch's own tally while it runs; local to one ``run`` call, never shared."""
-
-    retries: int = 0
-    stale_stages: list[int] = field(default_factory=list)
-    relayed_hops: int = 0  # chain mode: hops the trainer carried (a segment's end to the next segment)
 
 
 class MicrobatchRunner:

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from swarmpipe.peer.swarm.records import MAX_VAL_LOSS, TrainerRecord, now
-from swarmpipe.peer.trainer.microbatch import MicrobatchOutcome, MicrobatchStatus
+from swarmpipe.peer.trainer.outcome import MicrobatchOutcome, MicrobatchStatus
 
 LOSS_WINDOW = 10  # micro-batches averaged for the loss EMA, loss_first and loss_last
 RECENT_WINDOW_S = 10.0

@@ -39,7 +39,7 @@ from swarmpipe.peer.spec import RunSpec
 from swarmpipe.peer.swarm.bootstrap import resolve_initial_peers
 from swarmpipe.peer.swarm.dht import SwarmDHT, reconnect_bootstrap, start_dht
 from swarmpipe.peer.swarm.records import TrainerRecord
-from swarmpipe.peer.trainer.chain import ROUTES
+from swarmpipe.peer.trainer.chain import ROUTES, ChainCalls
 from swarmpipe.peer.trainer.evaluation import Evaluator
 from swarmpipe.peer.trainer.microbatch import MicrobatchRunner
 from swarmpipe.peer.trainer.progress import Progress
@@ -173,15 +173,7 @@ class Trainer:
         self.state_file.save(stream.cursor, self.progress)  # the final counters
         report = self.progress.report(cfg.run_id, spec.microbatch_size)
         report["verification"] = {**vars(runner.verifier.stats), "banned": dict(runner.verifier.banned)}
-        chain = runner.chain
-        report.update(
-            self._traffic(),
-            route=cfg.route,
-            chain_breaks=chain.breaks if chain else 0,
-            microbatches_chained=chain.chained if chain else 0,
-            microbatches_split=chain.split if chain else 0,
-            hops_relayed=chain.hops_relayed if chain else 0,
-        )
+        report.update(self._traffic(), route=cfg.route, **ChainCalls.counters(runner.chain))
         last = swarm.announce_trainer(self._record(spec.microbatch_size), ttl=60)
         try:  # after a signal the process is asked to leave: a slow DHT must not keep it
             await asyncio.wait_for(last, STOP_ANNOUNCE_S if self.stop_requested.is_set() else None)

@@ -13,7 +13,8 @@ import torch
 from swarmpipe.peer.events import EventLog
 from swarmpipe.peer.spec import RunSpec
 from swarmpipe.peer.swarm.records import StageRecord
-from swarmpipe.peer.trainer.microbatch import Journey, MicrobatchOutcome, MicrobatchRunner, MicrobatchStatus, Rejected
+from swarmpipe.peer.trainer.microbatch import MicrobatchRunner
+from swarmpipe.peer.trainer.outcome import Journey, MicrobatchOutcome, MicrobatchStatus, Rejected
 from swarmpipe.peer.trainer.routing import PeerView, Router
 from swarmpipe.peer.trainer.swarm_view import SwarmView
 

@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 
-from swarmpipe.peer.trainer.microbatch import MicrobatchOutcome, MicrobatchStatus
+from swarmpipe.peer.trainer.outcome import MicrobatchOutcome, MicrobatchStatus
 from swarmpipe.peer.trainer.progress import LOSS_WINDOW, Progress
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(30)]
