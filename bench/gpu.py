@@ -17,7 +17,7 @@ tokens/s: the bare loop's over its synchronized wall time; a swarm's over the pe
 polled every 0.25 s, as bench/pipeline.py). MFU = 6 x params (all but the token embedding) x tokens/s /
 peak bf16 FLOP/s (``PEAK_BF16`` by device name, or ``--peak-tflops``; "n/a" when unknown).
 (c) memory: the bare loop's ``torch.cuda.max_memory_allocated``, the peers' ``Info.device_memory_used``
-(highest poll during the run) and, where ``swarmpipe.peer.stage.memory`` exists, its estimate for each.
+(highest poll during the run) and, where ``swarmpipe.peer.plan.memory`` exists, its estimate for each.
 Goals: the 1-peer stage >= 0.8 of the bare loop's tokens/s; a swarm on one GPU >= 0.6 of it. Without
 CUDA it says so and exits 0; ``--allow-cpu --tiny`` runs every path on the CPU at a tiny size (a check
 for CI, not a figure). Method and goals in detail: bench/PERFORMANCE.md, "GPU stages".
@@ -120,7 +120,7 @@ def memory_estimate(spec: RunSpec, stage: int, in_flight: int, autocast: bool) -
     """``estimate_stage_memory(spec, stage, in_flight).total_bytes`` where that module exists yet (with
     2-byte activations under bf16 autocast, when it takes ``activation_bytes``)."""
     try:
-        from swarmpipe.peer.stage.memory import estimate_stage_memory
+        from swarmpipe.peer.plan.memory import estimate_stage_memory
     except ImportError:
         return None
     extra = (

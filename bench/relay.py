@@ -41,7 +41,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.pipeline import BenchSwarm, summarize, write_results  # noqa: E402
 from swarmpipe.peer.config import PeerConfig  # noqa: E402
 from swarmpipe.peer.spec import RunSpec  # noqa: E402
-from swarmpipe.peer.stage.relaying import relay_handlers  # noqa: E402
+from swarmpipe.peer.swarm.relaying import relay_handlers  # noqa: E402
 from swarmpipe.peer.transport.channels import channel_options, server_options  # noqa: E402
 from swarmpipe.peer.transport.relay_client import RelayTunnel  # noqa: E402
 from swarmpipe.peer.transport.relay_server import RelayServicer  # noqa: E402

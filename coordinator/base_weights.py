@@ -14,7 +14,7 @@ from swarmpipe.peer.model import build_stage, checkpoint_name
 from swarmpipe.peer.model.hf_checkpoint import CheckpointError, HFCheckpoint
 from swarmpipe.peer.model.lora import is_adapter
 from swarmpipe.peer.spec import RunSpec
-from swarmpipe.peer.stage.state import StageState
+from swarmpipe.peer.state.format import StageState
 
 KEEP_S = 30.0
 

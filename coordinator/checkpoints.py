@@ -30,11 +30,11 @@ from safetensors.torch import load_file, save_file
 
 from swarmpipe.coordinator.base_weights import BaseWeights
 from swarmpipe.peer.model.hf_checkpoint import CheckpointError
+from swarmpipe.peer.plan.memory import state_bytes_bound
 from swarmpipe.peer.spec import RunSpec
-from swarmpipe.peer.stage.memory import state_bytes_bound
-from swarmpipe.peer.stage.state import StageState, to_chunks
-from swarmpipe.peer.stage.state_rpcs import PUSH_TIMEOUT_S, pusher_problem
-from swarmpipe.peer.stage.state_transfer import receive_pushed
+from swarmpipe.peer.state.format import StageState, to_chunks
+from swarmpipe.peer.state.push import PUSH_TIMEOUT_S, pusher_problem
+from swarmpipe.peer.state.transfer import receive_pushed
 from swarmpipe.peer.swarm.identity import Identity
 from swarmpipe.peer.swarm.records import StageRecord
 from swarmpipe.protos import swarm_pb2, swarm_pb2_grpc

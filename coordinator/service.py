@@ -25,15 +25,15 @@ from swarmpipe.peer.config import CoordinatorConfig
 from swarmpipe.peer.events import EventLog
 from swarmpipe.peer.model.hf_checkpoint import resolve_spec
 from swarmpipe.peer.spec import RunSpec, load_spec
-from swarmpipe.peer.stage.error_contract import abort_malformed, generated_handlers, guard_handlers
-from swarmpipe.peer.stage.relaying import relay_handlers, relay_record, relay_servicer
-from swarmpipe.peer.stage.state import StateError
-from swarmpipe.peer.stage.state_transfer import download_state
-from swarmpipe.peer.stage.unauthenticated import logged
+from swarmpipe.peer.state.format import StateError
+from swarmpipe.peer.state.transfer import download_state
 from swarmpipe.peer.swarm.dht import SwarmDHT, start_dht, trust_coordinators, visible_maddrs
 from swarmpipe.peer.swarm.records import CheckpointRecord, PeerState, RunIndexRecord, now
+from swarmpipe.peer.swarm.relaying import relay_handlers, relay_record, relay_servicer
 from swarmpipe.peer.transport.addresses import is_wildcard
 from swarmpipe.peer.transport.channels import server_options
+from swarmpipe.peer.transport.error_contract import abort_malformed, generated_handlers, guard_handlers
+from swarmpipe.peer.transport.unauthenticated import logged
 
 log = logging.getLogger("swarmpipe.coordinator")
 POLL_PERIOD_S = 2.0

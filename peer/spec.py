@@ -37,7 +37,7 @@ class SpecError(ValueError):
 
 MODEL_FAMILIES = ("bytegpt", "llama")  # one module each in peer/model/
 FINETUNE_METHODS = ("full", "lora")
-AVERAGING_AGGREGATES = ("centered_clip", "trimmed_mean", "mean")  # peer/stage/robust_aggregate.py
+AVERAGING_AGGREGATES = ("centered_clip", "trimmed_mean", "mean")  # peer/state/robust_aggregate.py
 
 
 @dataclass

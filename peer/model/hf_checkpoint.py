@@ -8,7 +8,7 @@ The digest is a content hash (config.json and every weight file's bytes, streame
 to the files): a peer that has the folder checks it is the run's base before using it, and adapters are
 stored with it so nobody mixes them with another base (a fine-tune of the same architecture has the same
 tensor names and shapes, so nothing cheaper would tell them apart). Weights that arrive over the network
-are checked against their donor's digest (peer/stage/state.py) as every state is.
+are checked against their donor's digest (peer/state/format.py) as every state is.
 """
 
 from __future__ import annotations

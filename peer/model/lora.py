@@ -8,7 +8,7 @@ export unchanged) and expose exactly two trainable tensors (``q_proj.lora_A`` [r
 A from a Kaiming-uniform init, B zero, so an adapted model starts exactly as its base.
 
 Only the adapters require grad: the optimizer, weight stashing, state transfer, replica averaging and
-checkpoints all see them alone (peer/stage/state.py works on trainable parameters).
+checkpoints all see them alone (peer/state/format.py works on trainable parameters).
 
 Dropout draws a fresh mask when the runtime recomputes a forward (a late sibling of a batched group, a
 replayed backward): the gradient is then that of another, equally likely mask. Keep

@@ -31,8 +31,10 @@ import time
 import torch
 
 from swarmpipe.peer.events import EventLog
-from swarmpipe.peer.stage.memory import state_bytes_bound
-from swarmpipe.peer.stage.robust_aggregate import (
+from swarmpipe.peer.plan.memory import state_bytes_bound
+from swarmpipe.peer.stage.runtime import StageRuntime
+from swarmpipe.peer.state.format import StageState, StateError
+from swarmpipe.peer.state.robust_aggregate import (
     AggregateError,
     aggregate,
     check_contribution,
@@ -40,9 +42,7 @@ from swarmpipe.peer.stage.robust_aggregate import (
     trust_radius,
     unflatten,
 )
-from swarmpipe.peer.stage.runtime import StageRuntime
-from swarmpipe.peer.stage.state import StageState, StateError
-from swarmpipe.peer.stage.state_transfer import announced_signers, download_state
+from swarmpipe.peer.state.transfer import announced_signers, download_state
 from swarmpipe.peer.swarm.dht import SwarmDHT
 from swarmpipe.peer.swarm.records import PeerState, StageRecord
 

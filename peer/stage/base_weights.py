@@ -17,8 +17,8 @@ from swarmpipe.peer.events import EventLog
 from swarmpipe.peer.model import checkpoint_name
 from swarmpipe.peer.model.hf_checkpoint import CheckpointError, HFCheckpoint
 from swarmpipe.peer.stage.runtime import StageRuntime
-from swarmpipe.peer.stage.state import StageState, StateError
-from swarmpipe.peer.stage.state_transfer import announced_signers, download_state
+from swarmpipe.peer.state.format import StageState, StateError
+from swarmpipe.peer.state.transfer import announced_signers, download_state
 from swarmpipe.peer.swarm.dht import SwarmDHT
 from swarmpipe.peer.swarm.records import PeerState
 

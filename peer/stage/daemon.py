@@ -13,23 +13,23 @@ import torch
 
 from swarmpipe.peer.config import PeerConfig, default_threads
 from swarmpipe.peer.events import EventLog
+from swarmpipe.peer.plan.memory import check_fits, estimate_stage_memory, stages_that_fit
 from swarmpipe.peer.stage.averaging import ReplicaAverager
 from swarmpipe.peer.stage.base_weights import load_base_weights
 from swarmpipe.peer.stage.device import device_info, memory_in_use, resolve_device
+from swarmpipe.peer.stage.handoff import hand_off_state, load_initial_state
 from swarmpipe.peer.stage.lifecycle import Lifecycle
-from swarmpipe.peer.stage.memory import check_fits, estimate_stage_memory, stages_that_fit
 from swarmpipe.peer.stage.metrics import PeerMetrics
 from swarmpipe.peer.stage.precision import resolve_precision
 from swarmpipe.peer.stage.rebalancer import Rebalancer
-from swarmpipe.peer.stage.relaying import check_settings, relay_handlers, relay_record, relay_servicer
 from swarmpipe.peer.stage.runtime import StageRuntime
 from swarmpipe.peer.stage.server import StageServicer, start_server
 from swarmpipe.peer.stage.serving_address import NotReachable, ServingAddress
-from swarmpipe.peer.stage.state_sources import hand_off_state, load_initial_state
 from swarmpipe.peer.swarm.balance import choose_stage
 from swarmpipe.peer.swarm.bootstrap import neediest_run, resolve_initial_peers
 from swarmpipe.peer.swarm.dht import SwarmDHT, reconnect_bootstrap, restart_as_client, start_dht
 from swarmpipe.peer.swarm.records import WIRE_PROTOCOL, PeerState, StageRecord, now
+from swarmpipe.peer.swarm.relaying import check_settings, relay_handlers, relay_record, relay_servicer
 from swarmpipe.peer.transport.addresses import hosts_of_multiaddrs
 
 log = logging.getLogger("swarmpipe.peer")

@@ -14,9 +14,9 @@ import asyncio
 import logging
 import random
 
+from swarmpipe.peer.stage.handoff import hand_off_state, load_initial_state
 from swarmpipe.peer.stage.lifecycle import StageHost
 from swarmpipe.peer.stage.runtime import StageRuntime
-from swarmpipe.peer.stage.state_sources import hand_off_state, load_initial_state
 from swarmpipe.peer.swarm.balance import rebalance_target, stage_cost
 from swarmpipe.peer.swarm.records import PeerState
 

@@ -9,7 +9,7 @@ Error contract (status code: when):
   UNAUTHENTICATED    a private swarm's call without valid credentials (refused before any work)
 The peer keeps serving after any of them. Request bytes that do not decode are INVALID_ARGUMENT too,
 before any work; a status detail is short (a caller's strings cut), and a refused request is logged at
-most once per caller per 10 s, never with a traceback (peer/stage/error_contract.py).
+most once per caller per 10 s, never with a traceback (peer/transport/error_contract.py).
 Forward / ForwardBackward with ``evaluate``: validation on the live weights, no batching, nothing kept (a Backward
 for that id is NOT_FOUND), nothing stepped. ``Chain`` (micro-batches passed peer to peer): chain_rpc.py.
 """
@@ -25,10 +25,9 @@ from typing import Any
 import grpc
 import torch
 
-from swarmpipe.peer.stage.chain_rpc import ChainRPCs
+from swarmpipe.peer.stage.chain.service import ChainRPCs
 from swarmpipe.peer.stage.coalescer import Coalescer
 from swarmpipe.peer.stage.device import device_info, memory_in_use
-from swarmpipe.peer.stage.error_contract import Rejections, caller_key, generated_handlers, guard_handlers, short
 from swarmpipe.peer.stage.lifecycle import Lifecycle
 from swarmpipe.peer.stage.metrics import PeerMetrics
 from swarmpipe.peer.stage.request_checks import (
@@ -41,16 +40,17 @@ from swarmpipe.peer.stage.request_checks import (
     reply_codec,
 )
 from swarmpipe.peer.stage.runtime import BackwardResult, StageRuntime, UnknownMicrobatch
+from swarmpipe.peer.stage.service.state import StateRPCs
 from swarmpipe.peer.stage.siblings import Siblings, SiblingWaits
-from swarmpipe.peer.stage.state import StageState
-from swarmpipe.peer.stage.state_rpcs import StateRPCs
-from swarmpipe.peer.stage.state_transfer import DonorSnapshot
-from swarmpipe.peer.stage.unauthenticated import counted
+from swarmpipe.peer.state.format import StageState
+from swarmpipe.peer.state.transfer import DonorSnapshot
 from swarmpipe.peer.swarm.records import WIRE_PROTOCOL, PeerState
 from swarmpipe.peer.transport import security as process_security
 from swarmpipe.peer.transport.channels import server_options, tune_allocator
+from swarmpipe.peer.transport.error_contract import Rejections, caller_key, generated_handlers, guard_handlers, short
 from swarmpipe.peer.transport.streaming import METHODS as STREAM_METHODS
 from swarmpipe.peer.transport.streaming import TensorView, frames, reassemble
+from swarmpipe.peer.transport.unauthenticated import counted
 from swarmpipe.peer.transport.wire import WireError, decode, encode, encode_parts, is_empty
 from swarmpipe.protos import swarm_pb2, swarm_pb2_grpc
 

@@ -14,9 +14,9 @@ import torch
 
 from swarmpipe.peer.model.lora import is_adapter
 from swarmpipe.peer.optim import build_optimizer
-from swarmpipe.peer.stage.robust_aggregate import flatten, trust_radius
 from swarmpipe.peer.stage.stash import stashed_versions, tensor_bytes
-from swarmpipe.peer.stage.state import StageState, StateError, blend_into, capture, check_params, load_into
+from swarmpipe.peer.state.format import StageState, StateError, blend_into, capture, check_params, load_into
+from swarmpipe.peer.state.robust_aggregate import flatten, trust_radius
 
 if TYPE_CHECKING:
     from swarmpipe.peer.spec import RunSpec
@@ -138,7 +138,7 @@ class StageWeights:
         """Average another replica's weights into ours (a drain hand-off): p <- (1 - w) p + w p_other. With
         ``radius`` (a state pushed by a sibling we do not trust: :meth:`push_radius`) the displacement
         p_other - p is clipped to it first, and an outlier beyond it has no pull at all
-        (:func:`~swarmpipe.peer.stage.robust_aggregate.clip_scale`). Returns the factor applied (1: not clipped)."""
+        (:func:`~swarmpipe.peer.state.robust_aggregate.clip_scale`). Returns the factor applied (1: not clipped)."""
         scale = blend_into(self.module, other, weight, radius)
         self.version = max(self.version, other.version)
         self._snapshot = None

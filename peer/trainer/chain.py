@@ -2,7 +2,7 @@
 
 In ``route = "chain"`` mode the trainer sends stage j (0, unless it relays some hops) the micro-batch's input,
 its targets and a route: for each later stage up to ``MAX_CANDIDATES`` replicas from its own routing (best
-expected finish first). The stages pass activations and gradients among themselves (peer/stage/chain_rpc.py);
+expected finish first). The stages pass activations and gradients among themselves (peer/stage/chain/service.py);
 stage j answers with the loss, its input gradient (none on stage 0), and what each stage did, from which the
 trainer counts stale drops and retries exactly as in hub mode. Its traffic per micro-batch: tokens and targets
 in, a loss out.

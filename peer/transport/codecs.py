@@ -50,6 +50,8 @@ class Codec:
     encode: Callable[[torch.Tensor], Buffer]
     decode: Callable[[Buffer, torch.dtype, int], torch.Tensor]
     size: Callable[[torch.dtype, int], int]  # exact byte length of numel values of dtype
+    # gradients sent in this codec carry what it lost into the next one (the sender keeps the residual)
+    error_feedback: bool = False
 
     def wire_ratio(self) -> float:
         """Bytes on the wire per byte of float32 input."""
@@ -237,6 +239,7 @@ REGISTRY: dict[str, Codec] = {
             encode=_encode_uint8,
             decode=_decode_uint8,
             size=lambda dtype, n: 8 + n,
+            error_feedback=True,
         ),
         # error feedback (peer/transport/codec_policy.py) removes its bias on gradients
         Codec(
@@ -249,6 +252,7 @@ REGISTRY: dict[str, Codec] = {
             encode=_encode_blockwise8,
             decode=_decode_blockwise8,
             size=lambda dtype, n: 4 * math.ceil(n / BLOCK_SIZE) + n,
+            error_feedback=True,
         ),
     )
 }

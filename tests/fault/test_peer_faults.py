@@ -15,7 +15,7 @@ import pytest
 from swarm_support import assert_trained, events_of, kill_tree, wait_step
 
 from swarmpipe.cli.launcher import wait_for
-from swarmpipe.peer.stage.state_transfer import download_state
+from swarmpipe.peer.state.transfer import download_state
 
 pytestmark = [pytest.mark.fault, pytest.mark.timeout(360)]
 

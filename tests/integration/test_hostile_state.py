@@ -13,8 +13,8 @@ import grpc
 import pytest
 import torch
 
-from swarmpipe.peer.stage.state import StageState, to_chunks
-from swarmpipe.peer.stage.state_transfer import push_state
+from swarmpipe.peer.state.format import StageState, to_chunks
+from swarmpipe.peer.state.transfer import push_state
 from swarmpipe.peer.swarm.dht import SwarmDHT, identity_of, start_dht
 from swarmpipe.peer.swarm.records import WIRE_PROTOCOL, PeerState, StageRecord
 from swarmpipe.protos import swarm_pb2, swarm_pb2_grpc

@@ -174,7 +174,7 @@ def _swarm_logits(ckpt_root: Path, base: Path, tokens: torch.Tensor) -> torch.Te
     from swarmpipe.peer.spec import spec_from_dict
     from swarmpipe.peer.stage.base_weights import read_local_base
     from swarmpipe.peer.stage.runtime import StageRuntime
-    from swarmpipe.peer.stage.state import StageState
+    from swarmpipe.peer.state.format import StageState
 
     folder = ckpt_root / (ckpt_root / "latest").read_text().strip()
     spec = spec_from_dict(json.loads((folder / "spec.json").read_text()))

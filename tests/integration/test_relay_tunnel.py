@@ -16,10 +16,10 @@ import pytest
 from swarmpipe.peer.spec import spec_from_dict
 from swarmpipe.peer.stage.lifecycle import Lifecycle
 from swarmpipe.peer.stage.metrics import PeerMetrics
-from swarmpipe.peer.stage.relaying import relay_handlers
 from swarmpipe.peer.stage.runtime import StageRuntime
 from swarmpipe.peer.stage.server import StageServicer, start_server
 from swarmpipe.peer.swarm.records import PeerState
+from swarmpipe.peer.swarm.relaying import relay_handlers
 from swarmpipe.peer.transport import relay_client
 from swarmpipe.peer.transport.reachability import (
     ELSEWHERE,

@@ -21,9 +21,9 @@ import torch
 from swarm_support import assert_trained, events_of
 
 from swarmpipe.cli.launcher import wait_for
-from swarmpipe.peer.stage.robust_aggregate import flatten
-from swarmpipe.peer.stage.state import StageState, StateError, from_chunks
-from swarmpipe.peer.stage.state_transfer import PARAMS_TTL_S, download_state, push_state
+from swarmpipe.peer.state.format import StageState, StateError, from_chunks
+from swarmpipe.peer.state.robust_aggregate import flatten
+from swarmpipe.peer.state.transfer import PARAMS_TTL_S, download_state, push_state
 from swarmpipe.peer.swarm.dht import SwarmDHT, identity_of, start_dht
 from swarmpipe.peer.swarm.records import WIRE_PROTOCOL, PeerState, StageRecord
 from swarmpipe.protos import swarm_pb2, swarm_pb2_grpc

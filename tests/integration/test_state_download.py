@@ -10,8 +10,8 @@ from swarmpipe.peer.spec import load_spec
 from swarmpipe.peer.stage.lifecycle import Lifecycle
 from swarmpipe.peer.stage.runtime import StageRuntime
 from swarmpipe.peer.stage.server import StageServicer, start_server
-from swarmpipe.peer.stage.state import StateError
-from swarmpipe.peer.stage.state_transfer import download_state
+from swarmpipe.peer.state.format import StateError
+from swarmpipe.peer.state.transfer import download_state
 from swarmpipe.peer.swarm.records import PeerState
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]

@@ -1,4 +1,4 @@
-"""Where a chain that ends before the last stage parks its output (peer/stage/chain_handover.py): the trainer takes
+"""Where a chain that ends before the last stage parks its output (peer/stage/chain/handover.py): the trainer takes
 it (even when it asks before the chain arrives), gives back the gradient or abandons, and nothing waits forever or
 without bound."""
 
@@ -10,7 +10,7 @@ import grpc
 import pytest
 import torch
 
-from swarmpipe.peer.stage.chain_handover import Abandoned, Handovers
+from swarmpipe.peer.stage.chain.handover import Abandoned, Handovers
 from swarmpipe.peer.stage.request_checks import RequestError
 
 pytestmark = pytest.mark.timeout(30)

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from swarmpipe.peer.spec import RunSpec
-from swarmpipe.peer.stage.chain_results import ChainDone, ChainResults, result_key
-from swarmpipe.peer.stage.chain_route import AnnouncedHops, check_route, decode_targets
+from swarmpipe.peer.stage.chain.results import ChainDone, ChainResults, result_key
+from swarmpipe.peer.stage.chain.route import AnnouncedHops, check_route, decode_targets
 from swarmpipe.peer.stage.request_checks import RequestError
 from swarmpipe.peer.swarm.records import PeerState, StageRecord
 from swarmpipe.peer.trainer.chain import HUB_COOLDOWN_MAX_S, HUB_COOLDOWN_S, ChainCalls

@@ -1,4 +1,4 @@
-"""The stage server's error contract in pieces (peer/stage/error_contract.py and the checks that echo a
+"""The stage server's error contract in pieces (peer/transport/error_contract.py and the checks that echo a
 caller's strings): the rejection log's rate limit, undecodable requests caught before the servicer,
 caller strings truncated. No sockets."""
 
@@ -8,7 +8,9 @@ import grpc
 import pytest
 
 from swarmpipe.peer.spec import spec_from_dict
-from swarmpipe.peer.stage.error_contract import (
+from swarmpipe.peer.stage.request_checks import RequestError, check_header, reply_codec
+from swarmpipe.peer.transport.codecs import MAX_ECHOED, echo
+from swarmpipe.peer.transport.error_contract import (
     MAX_DETAILS,
     Malformed,
     RateLimit,
@@ -17,8 +19,6 @@ from swarmpipe.peer.stage.error_contract import (
     metric_method,
     short,
 )
-from swarmpipe.peer.stage.request_checks import RequestError, check_header, reply_codec
-from swarmpipe.peer.transport.codecs import MAX_ECHOED, echo
 from swarmpipe.peer.transport.streaming import reassemble
 from swarmpipe.peer.transport.wire import WireError, decode
 from swarmpipe.protos import swarm_pb2

@@ -19,7 +19,7 @@ from swarmpipe.coordinator.checkpoints import CheckpointStore
 from swarmpipe.coordinator.export import ExportError, export_checkpoint
 from swarmpipe.peer.model.bytegpt import ByteGPT
 from swarmpipe.peer.spec import FinetuneSpec, ModelSpec, RunSpec, spec_from_dict
-from swarmpipe.peer.stage.state import StageState
+from swarmpipe.peer.state.format import StageState
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(20)]
 ATOL = 1e-5

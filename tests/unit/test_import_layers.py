@@ -14,14 +14,19 @@ SHARED = {"spec", "config", "events", "norm_guard"}
 
 # layer -> the layers it may import (itself always allowed)
 ALLOWED: dict[str, set[str]] = {
-    "cli": {"coordinator", "stage", "trainer", "data", "model", "optim", "swarm", "transport", "shared", "protos"},
-    "coordinator": {"stage", "model", "optim", "swarm", "transport", "shared", "protos"},
-    "stage": {"model", "optim", "swarm", "transport", "shared", "protos"},
+    "cli": {"coordinator", "stage", "trainer", "state", "plan", "data", "model", "optim", "swarm", "transport"}
+    | {"shared", "protos"},
+    # the coordinator keeps checkpoints: it takes the state layer, never a volunteer's stage code
+    "coordinator": {"state", "plan", "model", "optim", "swarm", "transport", "shared", "protos"},
+    "stage": {"state", "plan", "model", "optim", "swarm", "transport", "shared", "protos"},
     "trainer": {"data", "swarm", "transport", "shared", "protos"},
+    # the state format, signing, transfer and robust aggregation that stages and checkpoints share
+    "state": {"plan", "swarm", "transport", "shared", "protos"},
+    "plan": {"model", "optim", "shared"},  # what a stage costs (memory), before anyone starts it
     "data": {"shared"},
     "optim": {"model", "shared"},
     "model": {"shared"},
-    "swarm": {"transport", "shared"},
+    "swarm": {"transport", "shared", "protos"},
     "transport": {"protos"},
     "shared": {"transport"},  # the spec validates codec names against the registry
     "protos": set(),
@@ -83,5 +88,16 @@ def test_nothing_imports_the_old_top_level_names():
         for module, path in modules().items()
         for name in imports_of(path)
         if name.split(".")[0] in ("peer", "coordinator", "protos")
+    ]
+    assert not wrong, "\n".join(wrong)
+
+
+def test_the_coordinator_imports_nothing_of_a_volunteers_stage():
+    wrong = [
+        f"{module} imports {name}"
+        for module, path in modules().items()
+        if module.startswith("swarmpipe.coordinator")
+        for name in imports_of(path)
+        if name.startswith("swarmpipe.peer.stage")
     ]
     assert not wrong, "\n".join(wrong)

@@ -10,8 +10,8 @@ import torch
 from swarmpipe.peer.model.bytegpt import PipelineStage
 from swarmpipe.peer.optim import build_optimizer
 from swarmpipe.peer.optim.basis_rotation import BasisRotationAdam
+from swarmpipe.peer.plan.memory import optimizer_bytes
 from swarmpipe.peer.spec import ModelSpec, OptimizerSpec, RunSpec
-from swarmpipe.peer.stage.memory import optimizer_bytes
 
 pytestmark = pytest.mark.unit
 torch.set_num_threads(1)

@@ -1,4 +1,4 @@
-"""Robust aggregates of replica weights (peer/stage/robust_aggregate.py): honest replicas average to their mean,
+"""Robust aggregates of replica weights (peer/state/robust_aggregate.py): honest replicas average to their mean,
 a Byzantine one at 1e6 x the weights moves the result by about tau at most, NaN/Inf and misshapen donors are
 refused; and the bounded blend a pushed state gets."""
 
@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from swarmpipe.peer.spec import RunSpec, SpecError, spec_from_dict
-from swarmpipe.peer.stage.robust_aggregate import (
+from swarmpipe.peer.state.format import StageState, StateError
+from swarmpipe.peer.state.robust_aggregate import (
     TAU_FLOOR,
     TAU_MULTIPLE,
     AggregateError,
@@ -21,7 +22,6 @@ from swarmpipe.peer.stage.robust_aggregate import (
     trust_radius,
     unflatten,
 )
-from swarmpipe.peer.stage.state import StageState, StateError
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
 N = 10_000
@@ -107,7 +107,7 @@ def test_trimmed_mean_with_one_sibling_is_a_plain_mean():
 
 
 def test_trimmed_mean_works_in_blocks(monkeypatch):
-    import swarmpipe.peer.stage.robust_aggregate as ra
+    import swarmpipe.peer.state.robust_aggregate as ra
 
     own, others = _honest(5)
     whole = trimmed_mean(own, others, 1.0).vector

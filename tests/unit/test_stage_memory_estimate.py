@@ -1,4 +1,4 @@
-"""peer/stage/memory.py: a stage's memory estimate against what a real CPU StageRuntime holds.
+"""peer/plan/memory.py: a stage's memory estimate against what a real CPU StageRuntime holds.
 
 Weights, gradients, optimizer state and the weight stash are exact byte counts; the activations are an
 estimate from the model's shapes, checked against the tensors autograd saves in one forward."""
@@ -11,8 +11,7 @@ from collections import deque
 import pytest
 import torch
 
-from swarmpipe.peer.spec import spec_from_dict
-from swarmpipe.peer.stage.memory import (
+from swarmpipe.peer.plan.memory import (
     MIB,
     MemoryEstimate,
     StageDoesNotFit,
@@ -21,6 +20,7 @@ from swarmpipe.peer.stage.memory import (
     shape_stage,
     stages_that_fit,
 )
+from swarmpipe.peer.spec import spec_from_dict
 from swarmpipe.peer.stage.runtime import StageRuntime
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(120)]

@@ -10,7 +10,7 @@ import torch
 from swarmpipe.coordinator.checkpoints import CheckpointStore
 from swarmpipe.peer.spec import load_spec
 from swarmpipe.peer.stage.runtime import StageRuntime
-from swarmpipe.peer.stage.state import (
+from swarmpipe.peer.state.format import (
     MixedState,
     StageState,
     StateError,

@@ -8,8 +8,8 @@ import time
 import pytest
 import torch
 
-from swarmpipe.peer.stage.state import StageState, StateError, assemble, from_chunks, to_chunks
-from swarmpipe.peer.stage.state_signing import MAX_CLOCK_SKEW_S, verify_meta
+from swarmpipe.peer.state.format import StageState, StateError, assemble, from_chunks, to_chunks
+from swarmpipe.peer.state.signing import MAX_CLOCK_SKEW_S, verify_meta
 from swarmpipe.peer.swarm.identity import load_identity
 
 pytestmark = pytest.mark.unit

@@ -3,7 +3,7 @@ frozen base, or only its trained weights for a sibling's averaging round) from t
 replica pushes its newest state here to be blended in, its pull clipped like an averaging round's.
 Part of :class:`~swarmpipe.peer.stage.server.StageServicer`, which owns the fields used here.
 
-Both directions are signed (:mod:`swarmpipe.peer.stage.state_signing`): shards we serve carry our signature,
+Both directions are signed (:mod:`swarmpipe.peer.state.signing`): shards we serve carry our signature,
 and a pushed state is taken only from a replica announced on our stage in the DHT, signed by it, no larger
 than a state of this stage can be, and with a version no further ahead than its owner announced."""
 
@@ -15,16 +15,15 @@ from collections.abc import Awaitable, Callable
 
 import grpc
 
-from swarmpipe.peer.stage.memory import state_bytes_bound
+from swarmpipe.peer.plan.memory import state_bytes_bound
 from swarmpipe.peer.stage.request_checks import RequestError, check_header
-from swarmpipe.peer.stage.state import StageState, to_chunks
-from swarmpipe.peer.stage.state_transfer import ParamsExport, receive_pushed
+from swarmpipe.peer.state.format import StageState, to_chunks
+from swarmpipe.peer.state.push import PUSH_TIMEOUT_S, pusher_problem
+from swarmpipe.peer.state.transfer import ParamsExport, receive_pushed
 from swarmpipe.peer.swarm.identity import Identity
-from swarmpipe.peer.swarm.records import MAX_VERSION, PeerState, StageRecord
+from swarmpipe.peer.swarm.records import PeerState, StageRecord
 from swarmpipe.protos import swarm_pb2
 
-PUSH_TIMEOUT_S = 120.0  # a push that never closes is cut off, and what it sent is dropped
-VERSION_SLACK = 10_000  # steps a pusher may be ahead of its last announcement (records lag one period)
 PUSH_EVERY_S = 30.0  # accepted pushes per sibling: a drain or a move hands its state over once
 
 
@@ -145,20 +144,3 @@ def _bounded_blend(runtime, state: StageState) -> tuple[float, float]:
     scale = runtime.blend(state, radius=radius)
     runtime.set_anchor()
     return scale, radius
-
-
-def pusher_problem(state: StageState, stage: int, members: dict[str, StageRecord]) -> tuple[grpc.StatusCode, str]:
-    """Why a pushed state may not be taken ('' when it may): its signer must be announced on ``stage`` (the
-    stage's signed records, ``members``) and its version no further ahead than that signer announced. Peers and
-    the coordinator's checkpoint server apply the same rule."""
-    sender = str(state.meta.get("signed_by", ""))
-    record = members.get(sender)
-    if record is None:
-        return grpc.StatusCode.PERMISSION_DENIED, (
-            f"peer {sender[-6:]} is not announced on stage {stage}: only its replicas hand over state"
-        )
-    if not 0 <= state.version <= min(MAX_VERSION, record.version + VERSION_SLACK):
-        return grpc.StatusCode.INVALID_ARGUMENT, (
-            f"pushed version {state.version} is beyond what peer {sender[-6:]} announced ({record.version})"
-        )
-    return grpc.StatusCode.OK, ""

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import grpc
 
-from swarmpipe.peer.stage.error_contract import abort_malformed, generated_handlers, guard_handlers
 from swarmpipe.peer.swarm.records import RelayRecord, now
+from swarmpipe.peer.transport.error_contract import abort_malformed, generated_handlers, guard_handlers
 from swarmpipe.peer.transport.reachability import ReachabilityChecker
 from swarmpipe.peer.transport.relay_server import RelayServicer
 from swarmpipe.protos import swarm_pb2_grpc

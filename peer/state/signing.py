@@ -20,7 +20,7 @@ from typing import Any
 
 from hivemind.utils.crypto import RSAPublicKey
 
-from swarmpipe.peer.stage.state_errors import StateError
+from swarmpipe.peer.state.errors import StateError
 from swarmpipe.peer.swarm.identity import Identity, peer_id_of
 from swarmpipe.protos import swarm_pb2
 

@@ -25,7 +25,7 @@ from collections.abc import Awaitable, Callable
 
 import grpc
 
-from swarmpipe.peer.stage.state import MixedState, StageState, StateError, assemble, from_chunks, to_chunks
+from swarmpipe.peer.state.format import MixedState, StageState, StateError, assemble, from_chunks, to_chunks
 from swarmpipe.peer.swarm.identity import Identity
 from swarmpipe.peer.swarm.records import StageRecord
 from swarmpipe.peer.transport import security as process_security  # TLS pins, credentials (private swarms)

@@ -18,9 +18,9 @@ from typing import Any
 
 import torch
 
-from swarmpipe.peer.stage.robust_aggregate import clip_scale
-from swarmpipe.peer.stage.state_errors import MixedState, StateError
-from swarmpipe.peer.stage.state_signing import ChunkHasher, chunks_hash, sign_meta, unsigned, verify_meta
+from swarmpipe.peer.state.errors import MixedState, StateError
+from swarmpipe.peer.state.robust_aggregate import clip_scale
+from swarmpipe.peer.state.signing import ChunkHasher, chunks_hash, sign_meta, unsigned, verify_meta
 from swarmpipe.peer.swarm.identity import Identity
 from swarmpipe.peer.transport.wire import decode, encode
 from swarmpipe.protos import swarm_pb2

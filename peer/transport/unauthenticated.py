@@ -1,6 +1,6 @@
 """How a ``Stage`` service answers a call without valid credentials in a private swarm: UNAUTHENTICATED with a
 short reason, before its handler runs, logged like any rejection (at most one line per caller per interval, no
-traceback: :mod:`swarmpipe.peer.stage.error_contract`). The check itself is
+traceback: :mod:`swarmpipe.peer.transport.error_contract`). The check itself is
 :class:`~swarmpipe.peer.transport.security.AuthInterceptor`; this is its answer, for a peer's server (counted in
 its metrics) and for the coordinator's checkpoint server (logged only)."""
 
@@ -10,7 +10,7 @@ import logging
 
 import grpc
 
-from swarmpipe.peer.stage.error_contract import RateLimit, Rejections, caller_key, metric_method, short
+from swarmpipe.peer.transport.error_contract import RateLimit, Rejections, caller_key, metric_method, short
 from swarmpipe.peer.transport.security import Reject
 
 KIND = "unauthenticated"  # the ``kind`` label of swarmpipe_errors_total

@@ -27,11 +27,10 @@ import time
 import grpc
 import torch
 
-from swarmpipe.peer.stage.chain_handover import Abandoned, Handovers
-from swarmpipe.peer.stage.chain_link import ChainLink, LinkAnswer
-from swarmpipe.peer.stage.chain_results import ChainDone, ChainResults, result_key
-from swarmpipe.peer.stage.chain_route import AnnouncedHops, check_route, check_ticket, decode_targets
-from swarmpipe.peer.stage.error_contract import caller_key
+from swarmpipe.peer.stage.chain.handover import Abandoned, Handovers
+from swarmpipe.peer.stage.chain.link import ChainLink, LinkAnswer
+from swarmpipe.peer.stage.chain.results import ChainDone, ChainResults, result_key
+from swarmpipe.peer.stage.chain.route import AnnouncedHops, check_route, check_ticket, decode_targets
 from swarmpipe.peer.stage.request_checks import (
     FLOAT_DTYPES,
     RequestError,
@@ -43,6 +42,7 @@ from swarmpipe.peer.stage.request_checks import (
 from swarmpipe.peer.stage.runtime import UnknownMicrobatch
 from swarmpipe.peer.transport.chain_protocol import MAX_HOP_TIMEOUT_S, ChainBroken
 from swarmpipe.peer.transport.codec_policy import ErrorFeedback
+from swarmpipe.peer.transport.error_contract import caller_key
 from swarmpipe.peer.transport.wire import decode, encode_parts
 from swarmpipe.protos import swarm_pb2
 

@@ -9,8 +9,8 @@ import os
 from swarmpipe.peer.events import EventLog
 from swarmpipe.peer.stage.base_weights import load_base_weights
 from swarmpipe.peer.stage.runtime import StageRuntime
-from swarmpipe.peer.stage.state import StateError
-from swarmpipe.peer.stage.state_transfer import announced_signers, download_state, push_state
+from swarmpipe.peer.state.format import StateError
+from swarmpipe.peer.state.transfer import announced_signers, download_state, push_state
 from swarmpipe.peer.swarm.dht import SwarmDHT
 from swarmpipe.peer.swarm.records import PeerState
 
