@@ -9,7 +9,8 @@ its spikes pass, a 1000x outlier does not. Nothing is learned from a refused val
 the statistics up with its own outliers.
 
 Used by stages on the gradients they apply (``StageRuntime``: refused ones are counted and reported to the
-caller as not applied) and by trainers on the activations and gradients they pass on between stages.
+caller as not applied) and on every stage's answer, by trainers and by peers calling the next stage of a chain
+alike (``AnswerChecks``, peer/client/answers.py: the activations and gradients passed on between stages).
 
 What it does not catch: a value of ordinary size that is wrong (a sign flip, noise); that needs comparing
 replicas' outputs (the trainer's ``ReplicaVerifier``).

@@ -7,12 +7,9 @@ stage j answers with the loss, its input gradient (none on stage 0), and what ea
 trainer counts stale drops and retries exactly as in hub mode. Its traffic per micro-batch: tokens and targets
 in, a loss out.
 
-When the chain breaks at stage b (the peer before it reached none of its candidates: ABORTED, ``chain broke at
-stage b``), hop b alone goes through the trainer: chains end at stage b-1, which parks its output; the trainer
-takes it, chains on from stage b, and gives the gradient back (peer/trainer/chain_segments.py). Every other hop
-stays peer to peer. The hop stays relayed for a cooldown (5 s, doubling while it keeps breaking, up to 60 s),
-then chains are tried through it again: a peer that cannot dial the next stage (two peers behind one NAT
-without hairpinning, an egress firewall) costs one failed dial per cooldown, not one per micro-batch.
+When the chain breaks at stage b, hop b alone goes through the trainer for a while (peer/trainer/relayed_hops.py):
+chains end at stage b-1, which parks its output; the trainer takes it, chains on from stage b, and gives the
+gradient back (peer/trainer/chain_segments.py). Every other hop stays peer to peer.
 """
 
 from __future__ import annotations
@@ -22,20 +19,19 @@ import logging
 import time
 from collections.abc import Callable
 
-import grpc
 import torch
 
+from swarmpipe.peer.client.chain_answer import read_chain_answer
 from swarmpipe.peer.events import EventLog, short_id
 from swarmpipe.peer.spec import RunSpec
 from swarmpipe.peer.trainer.chain_segments import ChainResult, OpenSegment, SegmentHandovers
+from swarmpipe.peer.trainer.relayed_hops import RelayedHops
 from swarmpipe.peer.trainer.routing import PeerView, Router
 from swarmpipe.peer.trainer.stage_calls import StageCalls
-from swarmpipe.peer.transport.chain_protocol import BROKEN, MAX_CANDIDATES, ChainBroken
-from swarmpipe.peer.transport.wire import WireError, decode, encode, encode_parts
+from swarmpipe.peer.transport.chain_protocol import MAX_CANDIDATES, ChainBroken
+from swarmpipe.peer.transport.wire import encode, encode_parts
 from swarmpipe.protos import swarm_pb2
 
-HUB_COOLDOWN_S = 5.0
-HUB_COOLDOWN_MAX_S = 60.0
 ROUTES = ("chain", "hub")
 
 
@@ -54,20 +50,11 @@ class ChainCalls:
         self.router = router
         self.events = events
         self.hop_timeout = hop_timeout
-        self.clock = clock
-        self.hub_until: dict[int, float] = {}  # stage b -> until when the hop into b goes through the trainer
-        self.cooldown: dict[int, float] = {}  # stage b -> the next cooldown's length
-        self.breaks = 0
+        self.relays = RelayedHops(spec.num_stages, events, clock)  # where chains end for now
         self.chained = 0  # micro-batches chained from stage 0: every hop peer to peer
         self.split = 0  # micro-batches chained with some hops relayed by the trainer
         self.hops_relayed = 0  # those hops, summed
         self.handovers = SegmentHandovers(spec, calls, router, events, hop_timeout)
-
-    # ------------------------------------------------------------ where chains end
-    def relayed_hops(self) -> list[int]:
-        """The hops (by the stage they lead into) that go through the trainer for now."""
-        now = self.clock()
-        return sorted(s for s, until in self.hub_until.items() if until > now)
 
     @staticmethod
     def counters(chain: ChainCalls | None) -> dict[str, int]:
@@ -75,7 +62,7 @@ class ChainCalls:
         if chain is None:
             return dict(chain_breaks=0, microbatches_chained=0, microbatches_split=0, hops_relayed=0)
         return dict(
-            chain_breaks=chain.breaks,
+            chain_breaks=chain.relays.breaks,
             microbatches_chained=chain.chained,
             microbatches_split=chain.split,
             hops_relayed=chain.hops_relayed,
@@ -86,43 +73,9 @@ class ChainCalls:
         self.split += hops > 0
         self.hops_relayed += hops
 
-    def segment_end(self, stage: int) -> int:
-        """The last stage a chain from ``stage`` reaches: the one before the next hop the trainer relays."""
-        return min((s for s in self.relayed_hops() if s > stage), default=self.spec.num_stages) - 1
-
     def deadline(self, stage: int) -> float:
         """The whole chain from ``stage``: a hop's time per stage left, and one more for a retry on the way."""
         return self.hop_timeout * (self.spec.num_stages - stage + 1)
-
-    def broke(self, broken: ChainBroken, mb_id: str) -> None:
-        """Relay hop ``broken.stage`` for a cooldown that doubles while it keeps breaking: once per chain tried
-        after a cooldown, not once per micro-batch that was in flight when the hop broke (a relay's death broke
-        four at once, and the hop went through the trainer for 75 s instead of 5)."""
-        self.breaks += 1
-        now = self.clock()
-        if self.hub_until.get(broken.stage, 0.0) > now:  # the same break, seen by another micro-batch in flight
-            self.events.emit(
-                "chain_broken", level=logging.INFO, microbatch=mb_id, stage=broken.stage, relayed_s=0.0, again=True
-            )
-            return
-        length = self.cooldown.get(broken.stage, HUB_COOLDOWN_S)
-        self.hub_until[broken.stage] = now + length
-        self.cooldown[broken.stage] = min(HUB_COOLDOWN_MAX_S, 2 * length)
-        self.events.emit(
-            "chain_broken",
-            level=logging.WARNING,
-            microbatch=mb_id,
-            stage=broken.stage,
-            unreachable=broken.unreachable,
-            relayed_s=round(length, 1),
-            reason=broken.reason[:120],
-        )
-
-    def _chained_through(self, stage: int, end: int) -> None:
-        """A chain passed every hop from ``stage`` to ``end``: their cooldowns start over from the shortest."""
-        for s in range(stage + 1, end + 1):
-            if self.hub_until.get(s, 0.0) <= self.clock():
-                self.cooldown.pop(s, None)
 
     # ------------------------------------------------------------ the call
     def _spread(self, view: PeerView) -> float:
@@ -177,7 +130,7 @@ class ChainCalls:
         try:
             return self.route(stage, end)
         except ChainBroken:
-            view.in_flight = max(0, view.in_flight - 1)
+            self.router.released(view)
             raise
 
     async def _send(
@@ -192,7 +145,8 @@ class ChainCalls:
     ) -> ChainResult:
         if route is None:
             route = self._route_or_settle(view, stage, end)
-        codec = self.calls.codec("activations", view, x) if stage > 0 else "none"
+        nbytes = 4 * x.numel()
+        codec = self.calls.codec("activations", view, nbytes) if stage > 0 else "none"
         header, payload = encode_parts(x, codec)
         request = swarm_pb2.ChainRequest(
             run_id=self.spec.run_id,
@@ -202,48 +156,30 @@ class ChainCalls:
             targets=encode(targets),
             route=route,
             ticket=self.calls.ticket(mb_id),
-            reply_codec=self.calls.codec("gradients", view, x) if stage > 0 else "",
+            reply_codec=self.calls.codec("gradients", view, nbytes) if stage > 0 else "",
             hop_timeout_s=self.hop_timeout,
             segment_stages=0 if end == self.spec.num_stages - 1 else end - stage + 1,
         )
         firsts = [self.router.peers.get(c.hops[0].peer_id) for c in route]
+        # the peer before tries its first candidate first: count it as ours in flight
         downstream = [v for v in firsts if v is not None]
-        for v in downstream:  # the peer before tries its first candidate first: count it as ours in flight
-            v.in_flight += 1
+        # a segment's call also spans the rest of the micro-batch (its end waits for the gradient)
+        timeout = self.deadline(stage) + (self.hop_timeout if end < self.spec.num_stages - 1 else 0.0)
         try:
-            # a segment's call also spans the rest of the micro-batch (its end waits for the gradient)
-            timeout = self.deadline(stage) + (self.hop_timeout if end < self.spec.num_stages - 1 else 0.0)
-            response = await self.calls.call(view, "Chain", request, payloads=[payload, None], timeout=timeout)
-        except grpc.aio.AioRpcError as e:
-            broken = ChainBroken.parse(e.details()) if e.code() == BROKEN else None
-            if broken is None or not stage < broken.stage < self.spec.num_stages:  # else: this peer's own failure
-                raise
-            view.in_flight = max(0, view.in_flight - 1)
-            raise broken from None
-        finally:
-            for v in downstream:
-                v.in_flight = max(0, v.in_flight - 1)
+            with self.router.holding(downstream):
+                response = await self.calls.call(view, "Chain", request, payloads=[payload, None], timeout=timeout)
+        except ChainBroken:  # a later hop broke: not this peer's failure, its count is settled here
+            self.router.released(view)
+            raise
         result = self._read(stage, end, x, response)
-        self._chained_through(stage, end)
+        self.relays.passed(stage, end)
         return result
 
     def _read(self, stage: int, end: int, x: torch.Tensor, response: swarm_pb2.ChainResponse) -> ChainResult:
-        """Stage ``stage``'s answer, checked as a hub answer is: a finite loss, one result per stage, the gradient."""
-        if not torch.isfinite(torch.tensor(float(response.loss))):
-            raise WireError(f"stage {stage} returned a non-finite loss")
-        stages = list(response.stages)
-        if [s.stage for s in stages] != list(range(stage, end + 1)):
-            raise WireError(f"stage {stage} answered for stages {[s.stage for s in stages][:8]}")
-        grad = None
-        if stage > 0:
-            grad = decode(
-                response.grad_input,
-                max_elements=self.spec.limits.max_tensor_elements,
-                expect_shape=(x.shape[0], x.shape[1], self.spec.model.d_model),
-                what="grad_input",
-            ).float()
-            grad = self.calls.bounded("gradients", stage, grad)
-        for s in stages:
+        """Stage ``stage``'s answer (peer/client/chain_answer.py), its stale drops logged."""
+        grad_shape = (x.shape[0], x.shape[1], self.spec.model.d_model)
+        answer = read_chain_answer(self.calls.answers, response, stage, end, grad_shape)
+        for s in answer.stages:
             if s.dropped_reason and not s.applied:
                 self.events.emit(
                     "chain_dropped",
@@ -253,8 +189,8 @@ class ChainCalls:
                     reason=s.dropped_reason[:80],
                 )
         return ChainResult(
-            loss=float(response.loss) if end == self.spec.num_stages - 1 else None,
-            grad=grad,
-            stale=[s.stage for s in stages if not s.applied],
-            retries=sum(max(0, min(s.retries, 1000)) for s in stages),
+            loss=answer.loss if end == self.spec.num_stages - 1 else None,
+            grad=answer.grad,
+            stale=[s.stage for s in answer.stages if not s.applied],
+            retries=sum(max(0, min(s.retries, 1000)) for s in answer.stages),
         )

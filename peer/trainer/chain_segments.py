@@ -28,7 +28,7 @@ from swarmpipe.peer.spec import RunSpec
 from swarmpipe.peer.trainer.routing import PeerView, Router
 from swarmpipe.peer.trainer.stage_calls import StageCalls
 from swarmpipe.peer.transport.chain_protocol import MAX_HOP_TIMEOUT_S
-from swarmpipe.peer.transport.wire import WireError, decode
+from swarmpipe.peer.transport.wire import WireError
 from swarmpipe.protos import swarm_pb2
 
 ABANDON_WAIT_S = 5.0  # how long an abandoned segment's chain may take to unwind before its call is cancelled
@@ -147,7 +147,7 @@ class SegmentHandovers:
     ) -> tuple[torch.Tensor, PeerView]:
         width = self.spec.model.d_model
         nbytes = 4 * rows * seq * width
-        codec = self.calls.policy.choose("activations", self.calls.act_codec, holder.address, nbytes)
+        codec = self.calls.codec("activations", holder, nbytes)
         request = swarm_pb2.HandoverRequest(
             run_id=self.spec.run_id,
             stage=stage,
@@ -157,13 +157,10 @@ class SegmentHandovers:
             wait_s=min(wait, MAX_HOP_TIMEOUT_S),
         )
         response = await self.calls.call(holder, "ChainHandover", request, timeout=wait + 5.0, expected_bytes=nbytes)
-        out = decode(
-            response.output,
-            max_elements=self.spec.limits.max_tensor_elements,
-            expect_shape=(rows, seq, width),
-            what="handed-over output",
-        ).float()
-        return self.calls.bounded("activations", stage, out), holder
+        out = self.calls.answers.tensor(
+            response.output, kind="activations", stage=stage, shape=(rows, seq, width), what="handed-over output"
+        )
+        return out, holder
 
     async def _give(self, holder: PeerView, stage: int, mb_id: str, grad: torch.Tensor | None) -> bool:
         """Resume the chain parked at ``holder`` with ``grad`` (None: abandon it); False when it no longer waits."""

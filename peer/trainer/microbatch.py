@@ -25,6 +25,7 @@ from typing import TypeVar
 import grpc
 import torch
 
+from swarmpipe.peer.client.stage_client import StageClient
 from swarmpipe.peer.events import EventLog, short_id
 from swarmpipe.peer.spec import RunSpec
 from swarmpipe.peer.trainer.chain import ChainCalls
@@ -73,7 +74,7 @@ class MicrobatchRunner:
         self.events = events
         self.call_timeout = call_timeout
         self.wait_timeout = wait_timeout
-        self.calls = StageCalls(spec, call_timeout)
+        self.calls = StageCalls(spec, StageClient(spec), call_timeout)
         self.verifier = ReplicaVerifier(spec, self.calls, self.router, events, verify_fraction, ban_after)
         # route "chain": activations pass peer to peer (peer/trainer/chain.py); "hub": every hop through us
         self.chain = ChainCalls(spec, self.calls, self.router, events, call_timeout) if route == "chain" else None
@@ -162,7 +163,7 @@ class MicrobatchRunner:
         P = self.spec.num_stages
         last = P - 1 if upto is None else upto
         while True:
-            end = stage if per_hop else min(last, self.chain.segment_end(stage))
+            end = stage if per_hop else min(last, self.chain.relays.segment_end(stage))
             deadline = self.chain.deadline(stage)
             try:
                 if end == P - 1:
@@ -175,7 +176,7 @@ class MicrobatchRunner:
                 )
                 break
             except ChainBroken as e:  # hop e.stage goes through us from now on: chains end before it
-                self.chain.broke(e, mb_id)
+                self.chain.relays.broke(e, mb_id)
                 journey.retries += 1
         if seg.finished is not None:  # every stage of it had done its part already (a segment run again)
             return seg.finished
@@ -355,11 +356,7 @@ class MicrobatchRunner:
         the call ends without its latency entering the replica's estimate, which is for training calls."""
         started = time.monotonic()
         result = await asyncio.wait_for(awaitable, timeout or self.call_timeout)
-        if measure:
-            self.router.succeeded(view, time.monotonic() - started)
-        else:
-            view.in_flight = max(0, view.in_flight - 1)
-            view.failures = 0
+        self.router.succeeded(view, time.monotonic() - started if measure else None)
         return result
 
     async def _wait_for_replica(self, stage: int) -> None:

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import random
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from swarmpipe.peer.swarm.records import StageRecord
@@ -152,16 +154,39 @@ class Router:
         return dict(sorted(out.items()))
 
     # ------------------------------------------------------------ feedback
+    # A view's ``in_flight`` moves only here: every call counted by ``started`` ends in exactly one of
+    # ``succeeded``, ``failed``, ``moved`` or ``released``; ``holding`` counts replicas we reach only through others.
     def started(self, view: PeerView) -> None:
         view.in_flight += 1
         view.calls += 1
 
-    def succeeded(self, view: PeerView, seconds: float) -> None:
-        view.in_flight = max(0, view.in_flight - 1)
+    def succeeded(self, view: PeerView, seconds: float | None) -> None:
+        """The call answered; ``seconds`` its latency, or None when that is no evidence for routing (validation's
+        forward-only calls are cheaper than the training calls routing is planned for)."""
+        self.released(view)
         view.failures = 0
+        if seconds is None:
+            return
         stale = view.latency_ema is None or self.clock() - view.measured_at > STALE_AFTER_S
         view.latency_ema = seconds if stale else EMA_DECAY * view.latency_ema + (1 - EMA_DECAY) * seconds
         view.measured_at = self.clock()
+
+    def released(self, view: PeerView) -> None:
+        """The call ended in a way that says nothing of the peer (a chain broke further down, or never went out
+        for want of a route): it is no longer in flight, nothing else changes."""
+        view.in_flight = max(0, view.in_flight - 1)
+
+    @contextmanager
+    def holding(self, views: list[PeerView]) -> Iterator[None]:
+        """Count ``views`` as ours in flight while the block runs, though we do not call them ourselves: the
+        replicas a chain we sent will reach first (else every chain would pick the same idle-looking replica)."""
+        for view in views:
+            view.in_flight += 1
+        try:
+            yield
+        finally:
+            for view in views:
+                self.released(view)
 
     def distrust(self, peer_id: str, until: float) -> None:
         """Route nothing to ``peer_id`` until clock time ``until``, whatever it announces."""
@@ -170,13 +195,13 @@ class Router:
     def moved(self, view: PeerView) -> None:
         """The peer answered that it no longer serves this stage (it rebalanced): drop the view now;
         the next DHT refresh files it under the stage it announces."""
-        view.in_flight = max(0, view.in_flight - 1)
+        self.released(view)
         if self.peers.get(view.peer_id) is view:
             del self.peers[view.peer_id]
 
     def failed(self, view: PeerView, ban: bool = True) -> float:
         """Record a failure; returns the ban length (0 if not banned)."""
-        view.in_flight = max(0, view.in_flight - 1)
+        self.released(view)
         if not ban:
             return 0.0
         view.failures += 1

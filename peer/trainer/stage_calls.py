@@ -1,12 +1,12 @@
-"""The trainer's calls to one stage replica: Forward, ForwardBackward, Backward, encoded and checked.
+"""The trainer's calls to one stage replica: Forward, ForwardBackward, Backward, and what every call it makes keeps.
 
-One pooled channel per peer; a tensor above 1 MiB (or half the message cap) goes as a chunked stream; the bytes
-moved and the time taken feed the per-peer bandwidth estimate that ``auto`` codecs are chosen from; 8-bit
-gradients carry what quantization lost into the next one (error feedback). Every tensor a peer returns is
-decoded against the shape it must have and the element cap, and its norm against what this trainer has seen
-from that stage (``NormGuard``): a stage's output or gradient is passed on to the next stage only when it is
-finite and not a wild outlier, so one broken or hostile replica cannot push 1e6-scaled values down the pipeline.
-A refused tensor raises ``WireError`` and the caller retries elsewhere, as for any failed call.
+The calls go through the trainer's one ``StageClient`` (peer/client/: pooled channels, streaming, per-link codecs,
+error feedback for gradients, byte counts), and what a replica returns is checked there (``AnswerChecks``): each
+tensor decoded against the shape it must have and the element cap, and its norm against what this trainer has
+seen from that stage, so a stage's output or gradient is passed on to the next stage only when it is finite and
+not a wild outlier. A refused tensor raises ``WireError`` and the caller retries elsewhere, as for any failed call.
+Here: the request of each call, the trainer's tickets for its micro-batches, and the weight version each replica
+answered at (verification judges only answers close in version).
 
 ``exact=True`` sends and asks for float32 without compression: verification probes (``verification.py``)
 measure small differences that a lossy codec would drown.
@@ -20,46 +20,28 @@ import os
 
 import torch
 
-from swarmpipe.peer.norm_guard import NormGuard
+from swarmpipe.peer.client.answers import AnswerChecks
+from swarmpipe.peer.client.stage_client import StageClient
 from swarmpipe.peer.spec import RunSpec
 from swarmpipe.peer.trainer.routing import PeerView
-from swarmpipe.peer.transport.channels import ChannelPool
-from swarmpipe.peer.transport.codec_policy import CodecPolicy, ErrorFeedback
-from swarmpipe.peer.transport.streaming import StreamingCaller
-from swarmpipe.peer.transport.wire import WireError, decode, encode, encode_parts
+from swarmpipe.peer.transport.wire import encode, encode_parts
 from swarmpipe.protos import swarm_pb2
-
-# Activations are layer outputs of a residual stream: they drift slowly, so a 100x jump is no honest spike.
-ACTIVATION_FACTOR = 100.0
 
 
 class StageCalls:
-    def __init__(self, spec: RunSpec, call_timeout: float):
+    def __init__(self, spec: RunSpec, client: StageClient, call_timeout: float):
         self.spec = spec
+        self.client = client
+        self.answers: AnswerChecks = client.answers
         self.call_timeout = call_timeout
-        self.pool = ChannelPool(spec.limits.max_message_mb)
-        cap = spec.limits.max_message_mb << 20
-        self.caller = StreamingCaller(
-            threshold_bytes=min(1 << 20, cap // 2),
-            chunk_bytes=min(1 << 20, cap // 2),
-            max_total_bytes=spec.limits.max_stream_mb << 20,
-        )
-        self.act_codec = spec.compression.activations  # "auto": chosen per hop from measured bandwidth
-        self.grad_codec = spec.compression.gradients
-        self.policy = CodecPolicy()
-        self.error_feedback = ErrorFeedback()
         self._ticket_key = os.urandom(32)  # never leaves this process; tickets derive from it
-        # per stage: the norms of what its replicas returned (per sample), learned from accepted values only
-        self.guards: dict[tuple[str, int], NormGuard] = {}
         # peer id -> the newest weight version it answered with (verification judges only answers close in version)
         self.versions: dict[str, int] = {}
         # (peer id, micro-batch id) -> the version a training call was answered at (a check reads it at once)
         self.answered: dict[tuple[str, str], int] = {}
-        self.bytes_sent = 0  # request bytes of every call (trainer_bytes_per_microbatch in the report)
-        self.bytes_received = 0
 
     async def close(self) -> None:
-        await self.pool.close()
+        await self.client.close()
 
     # ------------------------------------------------------------ plumbing
     async def call(
@@ -71,24 +53,16 @@ class StageCalls:
         timeout: float | None = None,
         expected_bytes: int | None = None,
     ):
-        """Unary when small, chunked stream when large. ``payloads``: the request's tensor bytes as buffers,
-        per tensor field (None: in the message); a streamed request frames them straight from tensor storage.
-        ``timeout``: the call's deadline (default ``call_timeout``; a chained call covers several stages).
-        ``expected_bytes``: the reply's size when it is larger than the request (a handover's output)."""
-        sent = request.ByteSize() + sum(memoryview(p).nbytes for p in payloads or () if p is not None)
-        self.bytes_sent += sent  # counted even when the call fails: the bytes left all the same
-        with self.policy.timed(view.address) as timed:
-            response = await self.caller.call(
-                self.pool.channel(view.address),
-                self.pool.stub(view.address),
-                method,
-                request,
-                timeout=timeout or self.call_timeout,
-                payloads=payloads,
-                expected_bytes=expected_bytes,
-            )
-            self.bytes_received += response.ByteSize()
-            timed.nbytes = sent + response.ByteSize()
+        """``StageClient.call`` to ``view``, noting the version it answered at. ``timeout``: the call's deadline
+        (default ``call_timeout``; a chained call covers several stages)."""
+        response = await self.client.call(
+            view.address,
+            method,
+            request,
+            timeout=timeout or self.call_timeout,
+            payloads=payloads,
+            expected_bytes=expected_bytes,
+        )
         if len(self.versions) < 100_000 or view.peer_id in self.versions:  # bounded however many peers lie
             self.versions[view.peer_id] = max(response.version, self.versions.get(view.peer_id, 0))
         self.answered[(view.peer_id, request.microbatch_id)] = response.version
@@ -100,34 +74,19 @@ class StageCalls:
         """This trainer's secret for a micro-batch: a peer lets only its holder send that micro-batch's backward."""
         return hmac.new(self._ticket_key, mb_id.encode(), hashlib.sha256).digest()[:16]
 
-    def codec(self, role: str, view: PeerView, t: torch.Tensor, exact: bool = False) -> str:
-        if exact:
-            return "none"
-        configured = self.act_codec if role == "activations" else self.grad_codec
-        return self.policy.choose(role, configured, view.address, t.numel() * 4)
+    def codec(self, role: str, view: PeerView, nbytes: int, exact: bool = False) -> str:
+        """The codec for a ``role`` tensor of ``nbytes`` float32 bytes to or from ``view``."""
+        return "none" if exact else self.client.codec(role, view.address, nbytes)
 
     def encode_grad(self, stage: int, view: PeerView, grad: torch.Tensor) -> swarm_pb2.Tensor:
-        codec = self.codec("gradients", view, grad)
-        if codec in ("uint8", "blockwise8"):  # 8-bit: carry what quantization lost into the next gradient
-            return self.error_feedback.encode((stage, tuple(grad.shape)), grad, codec)
-        return encode(grad, codec)
-
-    def bounded(self, kind: str, stage: int, t: torch.Tensor) -> torch.Tensor:
-        """``t`` if finite and not an outlier for what ``stage`` returns as ``kind``; else ``WireError``."""
-        guard = self.guards.get((kind, stage))
-        if guard is None:
-            factor = ACTIVATION_FACTOR if kind == "activations" else NormGuard.factor
-            guard = self.guards[(kind, stage)] = NormGuard(what=f"stage {stage} {kind}", factor=factor)
-        problem = guard.check(float(t.norm()) / max(1, t.shape[0]))
-        if problem:
-            raise WireError(problem)
-        return t
+        codec = self.codec("gradients", view, _nbytes(grad))
+        return self.client.encode_gradient((stage, tuple(grad.shape)), grad, codec)
 
     # ------------------------------------------------------------ the three compute calls
     async def forward(
         self, view: PeerView, stage: int, mb_id: str, x: torch.Tensor, evaluate: bool = False, exact: bool = False
     ) -> torch.Tensor:
-        codec = self.codec("activations", view, x, exact)
+        codec = self.codec("activations", view, _nbytes(x), exact)
         header, payload = encode_parts(x, codec)
         request = swarm_pb2.ForwardRequest(
             run_id=self.spec.run_id,
@@ -140,13 +99,15 @@ class StageCalls:
         )
         response = await self.call(view, "Forward", request, payloads=[payload])
         last = stage == self.spec.num_stages - 1  # an evaluate Forward there answers with logits
-        out = decode(
+        width = self.spec.model.vocab_size if last else self.spec.model.d_model
+        return self.answers.tensor(
             response.output,
-            max_elements=self.spec.limits.max_tensor_elements,
-            expect_shape=(x.shape[0], x.shape[1], self.spec.model.vocab_size if last else self.spec.model.d_model),
+            kind="activations",
+            stage=stage,
+            shape=(x.shape[0], x.shape[1], width),
             what="forward output",
-        ).float()
-        return out if evaluate else self.bounded("activations", stage, out)
+            bounded=not evaluate,
+        )
 
     async def forward_backward(
         self,
@@ -159,31 +120,21 @@ class StageCalls:
         exact: bool = False,
     ) -> tuple[float, torch.Tensor | None, bool]:
         """(loss, input gradient, dropped as stale); with ``evaluate``, the loss alone: (loss, None, False)."""
-        header, payload = encode_parts(x, self.codec("activations", view, x, exact))
+        header, payload = encode_parts(x, self.codec("activations", view, _nbytes(x), exact))
         request = swarm_pb2.ForwardBackwardRequest(
             run_id=self.spec.run_id,
             stage=stage,
             microbatch_id=mb_id,
             input=header,
             targets=encode(targets),
-            reply_codec=self.codec("gradients", view, x, exact),
+            reply_codec=self.codec("gradients", view, _nbytes(x), exact),
             evaluate=evaluate,
         )
         response = await self.call(view, "ForwardBackward", request, payloads=[payload, None])
-        if not torch.isfinite(torch.tensor(response.loss)):
-            raise WireError(f"stage {stage} returned a non-finite loss")
+        loss = self.answers.loss(stage, response.loss)
         if evaluate:
-            return response.loss, None, False
-        grad = None
-        if stage > 0:
-            grad = decode(
-                response.grad_input,
-                max_elements=self.spec.limits.max_tensor_elements,
-                expect_shape=tuple(x.shape),
-                what="grad_input",
-            ).float()
-            grad = self.bounded("gradients", stage, grad)
-        return response.loss, grad, not response.applied
+            return loss, None, False
+        return loss, self._grad_input(response, stage, tuple(x.shape)), not response.applied
 
     async def backward(
         self, view: PeerView, stage: int, mb_id: str, grad: torch.Tensor, replay_input: torch.Tensor | None
@@ -194,22 +145,26 @@ class StageCalls:
             stage=stage,
             microbatch_id=mb_id,
             grad_output=self.encode_grad(stage, view, grad),
-            reply_codec=self.codec("gradients", view, grad),
+            reply_codec=self.codec("gradients", view, _nbytes(grad)),
             ticket=self.ticket(mb_id),
         )
         payloads: list = [None, None]  # grad_output (error-feedback encoded, in the message), input
         if replay_input is not None:
-            header, payloads[1] = encode_parts(replay_input, self.codec("activations", view, replay_input))
+            codec = self.codec("activations", view, _nbytes(replay_input))
+            header, payloads[1] = encode_parts(replay_input, codec)
             request.input.CopyFrom(header)
             request.replay = True
         response = await self.call(view, "Backward", request, payloads=payloads)
-        grad_in = None
-        if stage > 0:
-            grad_in = decode(
-                response.grad_input,
-                max_elements=self.spec.limits.max_tensor_elements,
-                expect_shape=(grad.shape[0], grad.shape[1], self.spec.model.d_model),
-                what="grad_input",
-            ).float()
-            grad_in = self.bounded("gradients", stage, grad_in)
-        return grad_in, not response.applied
+        shape = (grad.shape[0], grad.shape[1], self.spec.model.d_model)
+        return self._grad_input(response, stage, shape), not response.applied
+
+    def _grad_input(self, response, stage: int, shape: tuple[int, ...]) -> torch.Tensor | None:
+        """The gradient of the stage's input, checked; None on stage 0 (its input is tokens)."""
+        if stage == 0:
+            return None
+        return self.answers.tensor(response.grad_input, kind="gradients", stage=stage, shape=shape, what="grad_input")
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    """``t``'s size as float32, what codecs are chosen by."""
+    return 4 * t.numel()

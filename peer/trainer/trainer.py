@@ -363,11 +363,11 @@ class Trainer:
 
     def _traffic(self) -> dict[str, float]:
         """The trainer's own bytes on the wire (every call, verification included), per micro-batch ended."""
-        calls = self.runner.calls
-        total = calls.bytes_sent + calls.bytes_received
+        client = self.runner.calls.client
+        total = client.bytes_sent + client.bytes_received
         return {
-            "trainer_bytes_sent": calls.bytes_sent,
-            "trainer_bytes_received": calls.bytes_received,
+            "trainer_bytes_sent": client.bytes_sent,
+            "trainer_bytes_received": client.bytes_received,
             "trainer_bytes_per_microbatch": round(total / max(1, self.progress.ended), 1),
         }
 

@@ -9,12 +9,14 @@ import grpc
 import pytest
 import torch
 
+from swarmpipe.peer.client.answers import AnswerChecks
 from swarmpipe.peer.spec import RunSpec
 from swarmpipe.peer.stage.chain.results import ChainDone, ChainResults, result_key
 from swarmpipe.peer.stage.chain.route import AnnouncedHops, check_route, decode_targets
 from swarmpipe.peer.stage.request_checks import RequestError
 from swarmpipe.peer.swarm.records import PeerState, StageRecord
-from swarmpipe.peer.trainer.chain import HUB_COOLDOWN_MAX_S, HUB_COOLDOWN_S, ChainCalls
+from swarmpipe.peer.trainer.chain import ChainCalls
+from swarmpipe.peer.trainer.relayed_hops import HUB_COOLDOWN_MAX_S, HUB_COOLDOWN_S, RelayedHops
 from swarmpipe.peer.trainer.routing import Router
 from swarmpipe.peer.transport.chain_protocol import MAX_CANDIDATES, ChainBroken
 from swarmpipe.peer.transport.wire import WireError, encode
@@ -242,20 +244,22 @@ def test_the_trainer_relays_a_broken_hop_for_a_doubling_cooldown():
     router = Router(3)
     events = _Events()
     chain = ChainCalls(_spec(), calls=None, router=router, events=events, hop_timeout=10.0, clock=lambda: now["t"])
-    assert chain.segment_end(0) == 2 and chain.deadline(0) == 40.0 and chain.deadline(2) == 20.0
-    chain.broke(ChainBroken(2, "down", True), "mb-1")
+    assert chain.deadline(0) == 40.0 and chain.deadline(2) == 20.0
+    relays = chain.relays
+    assert relays.segment_end(0) == 2
+    relays.broke(ChainBroken(2, "down", True), "mb-1")
     assert events.emitted[-1][0] == "chain_broken"
     # hop 2 alone goes through the trainer: chains from 0 end at stage 1, the trainer chains on from 2
-    assert chain.relayed_hops() == [2] and chain.segment_end(0) == 1 and chain.segment_end(2) == 2
-    chain.broke(ChainBroken(1, "down", True), "mb-2")
-    assert chain.relayed_hops() == [1, 2] and chain.segment_end(0) == 0 and chain.segment_end(1) == 1
+    assert relays.now() == [2] and relays.segment_end(0) == 1 and relays.segment_end(2) == 2
+    relays.broke(ChainBroken(1, "down", True), "mb-2")
+    assert relays.now() == [1, 2] and relays.segment_end(0) == 0 and relays.segment_end(1) == 1
     now["t"] = 2 * HUB_COOLDOWN_S + 0.1
-    assert chain.relayed_hops() == [] and chain.segment_end(0) == 2  # tried again after the cooldown
+    assert relays.now() == [] and relays.segment_end(0) == 2  # tried again after the cooldown
     lengths = []
     for _ in range(6):  # it breaks again at each try after a cooldown
-        chain.broke(ChainBroken(2, "down", True), "mb")
-        lengths.append(chain.hub_until[2] - now["t"])
-        now["t"] = chain.hub_until[2] + 0.1
+        relays.broke(ChainBroken(2, "down", True), "mb")
+        lengths.append(relays.hub_until[2] - now["t"])
+        now["t"] = relays.hub_until[2] + 0.1
     assert lengths[:3] == pytest.approx([2 * HUB_COOLDOWN_S, 4 * HUB_COOLDOWN_S, 8 * HUB_COOLDOWN_S])
     assert max(lengths) == pytest.approx(HUB_COOLDOWN_MAX_S)
 
@@ -263,14 +267,14 @@ def test_the_trainer_relays_a_broken_hop_for_a_doubling_cooldown():
 def test_micro_batches_in_flight_when_a_hop_breaks_are_one_break_not_a_doubling_each():
     now = {"t": 0.0}
     events = _Events()
-    chain = ChainCalls(_spec(), calls=None, router=Router(3), events=events, hop_timeout=10.0, clock=lambda: now["t"])
+    relays = RelayedHops(3, events, clock=lambda: now["t"])
     for i in range(4):  # a relay dies under four chained micro-batches
-        chain.broke(ChainBroken(1, "relay gone", True), f"mb-{i}")
+        relays.broke(ChainBroken(1, "relay gone", True), f"mb-{i}")
         now["t"] += 0.01
-    assert chain.hub_until[1] == pytest.approx(HUB_COOLDOWN_S) and chain.breaks == 4
+    assert relays.hub_until[1] == pytest.approx(HUB_COOLDOWN_S) and relays.breaks == 4
     assert [f.get("again", False) for _, f in events.emitted] == [False, True, True, True]
     now["t"] = HUB_COOLDOWN_S + 0.1
-    assert chain.segment_end(0) == 2  # chains go peer to peer again after one cooldown
+    assert relays.segment_end(0) == 2  # chains go peer to peer again after one cooldown
 
 
 def test_the_route_names_the_best_replicas_of_every_later_stage():
@@ -287,6 +291,53 @@ def test_the_route_names_the_best_replicas_of_every_later_stage():
     with pytest.raises(ChainBroken) as info:
         chain.route(0, 2)
     assert info.value.stage == 2 and not info.value.unreachable
+
+
+class _ChainStageCalls:
+    """The trainer's stage calls as a chain answers them: ``reply`` (raised when it is an exception), and the
+    in-flight counts of the route's first candidates while the call ran."""
+
+    def __init__(self, router: Router, reply):
+        self.router, self.reply = router, reply
+        self.answers = AnswerChecks(max_elements=1 << 20)
+        self.seen_in_flight: dict[str, int] = {}
+
+    def ticket(self, mb_id: str) -> bytes:
+        return b"t" * 16
+
+    async def call(self, view, method, request, payloads=None, timeout=None, expected_bytes=None):
+        self.seen_in_flight = {p: v.in_flight for p, v in self.router.peers.items()}
+        if isinstance(self.reply, BaseException):
+            raise self.reply
+        return self.reply
+
+
+def _chain_router() -> Router:
+    router = Router(3)
+    for stage, peer in enumerate((A, B, C)):
+        router.update_stage(stage, {peer: _record(f"h:{stage + 1}")})
+    return router
+
+
+@pytest.mark.parametrize("broken", [False, True])
+async def test_a_chain_counts_its_first_candidates_in_flight_and_a_later_break_is_not_the_called_peers(broken):
+    router = _chain_router()
+    stages = [swarm_pb2.ChainStageResult(stage=s, applied=s != 1) for s in range(3)]
+    reply = ChainBroken(2, "gone", unreachable=True) if broken else swarm_pb2.ChainResponse(loss=2.5, stages=stages)
+    calls = _ChainStageCalls(router, reply)
+    chain = ChainCalls(_spec(), calls=calls, router=router, events=_Events(), hop_timeout=10.0)
+    first = router.peers[A]
+    router.started(first)
+    tokens = torch.zeros(2, 4, dtype=torch.int64)
+    if broken:
+        with pytest.raises(ChainBroken):
+            await chain.call(first, 0, "mb", tokens, tokens)
+        assert first.in_flight == 0 and first.failures == 0 and first.banned_until == 0.0
+    else:
+        result = await chain.call(first, 0, "mb", tokens, tokens)
+        assert result.loss == 2.5 and result.grad is None and result.stale == [1] and first.in_flight == 1
+    assert calls.seen_in_flight == {A: 1, B: 1, C: 1}  # the candidates a chain reaches count as ours meanwhile
+    assert router.peers[B].in_flight == 0 and router.peers[C].in_flight == 0
 
 
 # ------------------------------------------------------------------ the trainer record's new field

@@ -10,6 +10,7 @@ import grpc
 import pytest
 import torch
 
+from swarmpipe.peer.client.answers import AnswerChecks
 from swarmpipe.peer.spec import RunSpec
 from swarmpipe.peer.trainer.chain_segments import ChainResult, OpenSegment, SegmentHandovers
 from swarmpipe.peer.trainer.routing import PeerView
@@ -24,11 +25,6 @@ def _error(code: grpc.StatusCode) -> grpc.aio.AioRpcError:
     return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details=code.name)
 
 
-class _Policy:
-    def choose(self, role, configured, address, nbytes):
-        return "none"
-
-
 class _Calls:
     """Stage calls as the candidates of one stage would answer them: ``parked_at`` holds the output."""
 
@@ -38,14 +34,14 @@ class _Calls:
         self.parked_at: str | None = None
         self.dead: set[str] = set()
         self.resumed: list[tuple[str, bool]] = []
-        self.policy, self.act_codec = _Policy(), "none"
+        self.answers = AnswerChecks(spec.limits.max_tensor_elements)
         self.output = torch.randn(ROWS, SEQ, spec.model.d_model)
 
     def ticket(self, mb_id: str) -> bytes:
         return b"t" * 16
 
-    def bounded(self, kind, stage, t):
-        return t
+    def codec(self, role, view, nbytes, exact=False):
+        return "none"
 
     def encode_grad(self, stage, view, grad):
         return encode(grad)

@@ -14,12 +14,14 @@ SHARED = {"spec", "config", "events", "norm_guard"}
 
 # layer -> the layers it may import (itself always allowed)
 ALLOWED: dict[str, set[str]] = {
-    "cli": {"coordinator", "stage", "trainer", "state", "plan", "data", "model", "optim", "swarm", "transport"}
-    | {"shared", "protos"},
+    "cli": {"coordinator", "stage", "trainer", "client", "state", "plan", "data", "model", "optim", "swarm"}
+    | {"transport", "shared", "protos"},
     # the coordinator keeps checkpoints: it takes the state layer, never a volunteer's stage code
     "coordinator": {"state", "plan", "model", "optim", "swarm", "transport", "shared", "protos"},
-    "stage": {"state", "plan", "model", "optim", "swarm", "transport", "shared", "protos"},
-    "trainer": {"data", "swarm", "transport", "shared", "protos"},
+    "stage": {"client", "state", "plan", "model", "optim", "swarm", "transport", "shared", "protos"},
+    "trainer": {"client", "data", "swarm", "transport", "shared", "protos"},
+    # one way to call a stage, for trainers and for peers' chains alike (connections, codecs, answer checks)
+    "client": {"swarm", "transport", "shared", "protos"},
     # the state format, signing, transfer and robust aggregation that stages and checkpoints share
     "state": {"plan", "swarm", "transport", "shared", "protos"},
     "plan": {"model", "optim", "shared"},  # what a stage costs (memory), before anyone starts it

@@ -268,6 +268,33 @@ def test_in_flight_never_negative() -> None:
     assert p.in_flight == 0
 
 
+def test_a_call_that_says_nothing_of_the_peer_only_settles_its_count() -> None:
+    r = make_router()
+    r.update_stage(0, {"p": rec(1)})
+    p = r.peers["p"]
+    r.started(p)
+    r.succeeded(p, 0.5)
+    r.started(p)
+    p.failures = 1
+    r.succeeded(p, None)  # a validation call: it answered, its latency is no evidence for routing
+    assert p.in_flight == 0 and p.failures == 0 and p.latency_ema == 0.5
+    r.started(p)
+    r.released(p)  # a chain through it broke further down: not its fault, nothing learned
+    assert p.in_flight == 0 and p.calls == 3 and p.latency_ema == 0.5 and p.banned_until == 0.0
+
+
+def test_replicas_a_chain_reaches_count_in_flight_while_it_runs() -> None:
+    r = make_router()
+    r.update_stage(1, {"a": rec(1, throughput=100), "b": rec(2, throughput=60)})
+    a, b = r.peers["a"], r.peers["b"]
+    with pytest.raises(RuntimeError):
+        with r.holding([a]):
+            assert a.in_flight == 1 and a.calls == 0  # ours in flight, though we did not call it
+            assert r.choose(1) is b
+            raise RuntimeError("the chain failed")
+    assert a.in_flight == 0 and r.choose(1) is a
+
+
 @pytest.mark.parametrize("state", ["draining", "joining"])
 def test_non_online_peers_skipped(state: str) -> None:
     r = make_router()
