@@ -90,6 +90,7 @@ class SwarmHttpServer:
         *,
         request_timeout_s: float = REQUEST_TIMEOUT_S,
         max_connections: int = MAX_CONNECTIONS,
+        metrics: CoordinatorMetrics | None = None,
     ):
         self.coordinator = coordinator
         self.host = host
@@ -97,7 +98,7 @@ class SwarmHttpServer:
         self.request_timeout_s = request_timeout_s
         self.max_connections = max_connections
         self.httpd: BoundedHTTPServer | None = None
-        self.metrics = CoordinatorMetrics(coordinator)
+        self.metrics = metrics or CoordinatorMetrics(coordinator)
 
     def routes(self) -> dict[str, Any]:
         c = self.coordinator

@@ -14,7 +14,7 @@ import time
 from collections.abc import Iterable
 from typing import Any
 
-from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client import CollectorRegistry, Counter, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -198,12 +198,18 @@ class SwarmCollector(Collector):
 
 
 class CoordinatorMetrics:
-    """A private registry holding the swarm collector; ``render()`` is the /metrics body."""
+    """A private registry holding the swarm collector and the coordinator's own counters; ``render()`` is the
+    /metrics body."""
 
     def __init__(self, coordinator: Any):
         self.registry = CollectorRegistry()
         self.collector = SwarmCollector(coordinator)
         self.registry.register(self.collector)
+        # calls its checkpoint server refused (garbage, no credentials, a method it does not serve, overload),
+        # labelled like a peer's
+        self.errors = Counter(
+            "swarmpipe_errors_total", "RPCs rejected or failed", ["method", "kind"], registry=self.registry
+        )
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

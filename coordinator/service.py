@@ -21,6 +21,7 @@ import grpc
 from swarmpipe.coordinator.base_weights import BaseWeights
 from swarmpipe.coordinator.checkpoints import CheckpointServicer, CheckpointStore
 from swarmpipe.coordinator.http import SwarmHttpServer
+from swarmpipe.coordinator.metrics import CoordinatorMetrics
 from swarmpipe.peer.config import CoordinatorConfig
 from swarmpipe.peer.events import EventLog
 from swarmpipe.peer.model.hf_checkpoint import resolve_spec
@@ -32,13 +33,15 @@ from swarmpipe.peer.swarm.records import CheckpointRecord, PeerState, RunIndexRe
 from swarmpipe.peer.swarm.relaying import relay_handlers, relay_record, relay_servicer
 from swarmpipe.peer.transport.addresses import is_wildcard
 from swarmpipe.peer.transport.channels import server_options
-from swarmpipe.peer.transport.error_contract import abort_malformed, generated_handlers, guard_handlers
-from swarmpipe.peer.transport.unauthenticated import logged
+from swarmpipe.peer.transport.error_contract import Rejections, Unserved, guard_handlers, served_handlers
+from swarmpipe.peer.transport.overload import bounded_server
+from swarmpipe.peer.transport.unauthenticated import counted
 
 log = logging.getLogger("swarmpipe.coordinator")
 POLL_PERIOD_S = 2.0
 HISTORY_POINTS = 2000
 MAX_REPORTED_BANS = 10_000  # bans remembered for events: bounded however many trainers report
+MAX_CONCURRENT_RPCS = 512  # as a peer's: beyond this the checkpoint server answers RESOURCE_EXHAUSTED
 
 
 def _saved_port(identity: str) -> int:
@@ -72,6 +75,9 @@ class Coordinator:
         self._known_peers: dict[str, tuple[int, str]] = {}
         self._reported_bans: set[tuple[str, str]] = set()  # (trainer, peer) pairs already turned into events
         self.http: SwarmHttpServer | None = None
+        self.metrics = CoordinatorMetrics(self)  # /metrics: the swarm as polled, and our server's refusals
+        # every refused call of the checkpoint server: counted, one log line per caller per 10 s, no traceback
+        self.rejections = Rejections(log, self.metrics.errors, lambda: f"coordinator {self.events.peer_id[-6:]}")
         self.initial_peers: list[str] = []
         self.store = (
             CheckpointStore(cfg.checkpoint_dir, self.spec.num_stages, spec=self.spec) if cfg.checkpoint_dir else None
@@ -119,7 +125,7 @@ class Coordinator:
         self.swarm.protect()
         await self._start_grpc_server()
         await self._publish()
-        self.http = SwarmHttpServer(self, cfg.host, cfg.http_port)
+        self.http = SwarmHttpServer(self, cfg.host, cfg.http_port, metrics=self.metrics)
         http_port = self.http.start()
         print(f"initial peers: {' '.join(self.initial_peers)}", flush=True)
         print(f"dashboard: http://{cfg.announce_host or cfg.host}:{http_port}/", flush=True)
@@ -172,12 +178,15 @@ class Coordinator:
 
     # ------------------------------------------------------------ checkpoints
     async def _start_grpc_server(self) -> None:
-        """Reachability checks for joining peers, always; checkpoints, when we keep them or serve a base."""
+        """Reachability checks for joining peers, always; checkpoints, when we keep them or serve a base. Every
+        other method (a peer's Forward, Chain, ...) is answered UNIMPLEMENTED, counted, without a traceback."""
         # a private swarm: credentials on every call, TLS with the certificate our checkpoint record names
         security = self.swarm.security
-        interceptors = security.server_interceptors(logged(log, f"coordinator {self.swarm.peer_id[-6:]}"))
-        self.grpc_server = grpc.aio.server(
-            options=server_options(self.spec.limits.max_message_mb), interceptors=interceptors
+        self.grpc_server = bounded_server(
+            server_options(self.spec.limits.max_message_mb),
+            security.server_interceptors(counted(self.rejections)),
+            MAX_CONCURRENT_RPCS,
+            self.rejections,
         )
         if self.store is not None or self.base is not None:
             servicer = CheckpointServicer(
@@ -188,13 +197,15 @@ class Coordinator:
                 identity=self.swarm.identity,
                 stage_members=self.swarm.stage_peers,
             )
-            handlers = guard_handlers(generated_handlers(servicer), abort_malformed)  # garbage: INVALID_ARGUMENT
+            # only the methods it implements; garbage bytes to them: INVALID_ARGUMENT
+            handlers = guard_handlers(served_handlers(servicer), self.rejections.malformed)
             self.grpc_server.add_generic_rpc_handlers(
                 (grpc.method_handlers_generic_handler("swarmpipe.Stage", handlers),)
             )
         self.relay = relay_servicer(self.cfg, self.swarm.peer_id, role="coordinator")
         for name, relay in relay_handlers(self.relay).items():
             self.grpc_server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(name, relay),))
+        self.grpc_server.add_generic_rpc_handlers((Unserved(self.rejections),))  # last: whatever nothing serves
         port = security.add_port(self.grpc_server, f"{self.cfg.host}:{self.cfg.grpc_port}")
         await self.grpc_server.start()
         self.grpc_address = f"{self.cfg.announce_host or self.cfg.host}:{port}"

@@ -12,6 +12,7 @@ import time
 import grpc
 
 from swarmpipe.peer.transport import security as process_security
+from swarmpipe.peer.transport.overload import PENDING_OPTIONS
 from swarmpipe.peer.transport.security import Security
 from swarmpipe.protos import swarm_pb2_grpc
 
@@ -62,6 +63,7 @@ def server_options(max_message_mb: int) -> list[tuple[str, int]]:
         ("grpc.keepalive_timeout_ms", 10_000),
         ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
         ("grpc.keepalive_permit_without_calls", 1),
+        *PENDING_OPTIONS,  # a burst of calls waits for the server, not CANCELLED by grpc-core (overload.py)
     ]
 
 

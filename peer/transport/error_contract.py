@@ -23,12 +23,15 @@ from typing import Any, NoReturn
 import grpc
 from prometheus_client import Counter
 
-from swarmpipe.protos import swarm_pb2_grpc
+from swarmpipe.protos import swarm_pb2, swarm_pb2_grpc
 
 MAX_DETAILS = 256  # characters of a status detail or a logged reason
+MAX_METHOD = 64  # characters of a caller's method path echoed in a detail
 
 # (method, context, reason): answers INVALID_ARGUMENT, i.e. ends in ``context.abort``
 Reject = Callable[[str, grpc.aio.ServicerContext, str], Awaitable[NoReturn]]
+# (context): answers a refused call, i.e. ends in ``context.abort``
+Answer = Callable[[grpc.aio.ServicerContext], Awaitable[Any]]
 
 
 def short(message: str, limit: int = MAX_DETAILS) -> str:
@@ -39,6 +42,34 @@ def short(message: str, limit: int = MAX_DETAILS) -> str:
 def metric_method(method: str) -> str:
     """The peer metrics' ``method`` label of a gRPC method: "ForwardBackward" -> "forward_backward"."""
     return re.sub(r"(?<!^)(?=[A-Z])", "_", method).lower()
+
+
+# every method of swarm.proto's services by full path: its metric label (a caller's made-up method names never
+# become label values, one series each) and its kind (request streaming, response streaming)
+_METHODS = {
+    f"/{service.full_name}/{method.name}": (
+        metric_method(method.name),
+        method.client_streaming,
+        method.server_streaming,
+    )
+    for service in swarm_pb2.DESCRIPTOR.services_by_name.values()
+    for method in service.methods
+}
+
+
+_NAME_LABELS = {path.rsplit("/", 1)[1]: label for path, (label, _, _) in _METHODS.items()}
+
+
+def method_label(method: str) -> str:
+    """The ``method`` label of a call by its full path or its name: "/swarmpipe.Stage/ForwardBackward" or
+    "ForwardBackward" -> "forward_backward"; "unknown" for any method swarm.proto does not declare."""
+    return _METHODS[method][0] if method in _METHODS else _NAME_LABELS.get(method, "unknown")
+
+
+def method_kind(path: str) -> tuple[bool, bool]:
+    """(request streaming, response streaming) of a method by its full path; streaming both ways, which answers
+    a call of any kind, for a method swarm.proto does not declare."""
+    return _METHODS[path][1:] if path in _METHODS else (True, True)
 
 
 def caller_key(peer: str) -> str:
@@ -235,3 +266,52 @@ class Rejections:
     async def malformed(self, method: str, context: grpc.aio.ServicerContext, reason: str) -> NoReturn:
         """The :data:`Reject` of :func:`guard_handlers`."""
         await self.reject(context, metric_method(method), grpc.StatusCode.INVALID_ARGUMENT, reason, "malformed")
+
+
+# ------------------------------------------------------------------ refusals before the servicer
+
+
+def refusal(answer: Answer, kind: tuple[bool, bool] = (True, True)) -> grpc.RpcMethodHandler:
+    """A handler that answers a call with ``answer`` (an abort) without parsing its request, of ``kind``
+    (request streaming, response streaming: the method's own, e.g. :func:`method_kind`)."""
+
+    async def refuse(_request: Any, context: grpc.aio.ServicerContext) -> None:
+        await answer(context)
+
+    async def refuse_streaming(_request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+        await answer(context)
+        yield  # pragma: no cover - an async generator: grpc.aio runs it as a streaming handler
+
+    _, build = _KINDS[kind]
+    return build(refuse_streaming if kind[1] else refuse)  # no deserializer: the bytes stay unread
+
+
+def served_handlers(
+    servicer: Any,
+    base: type = swarm_pb2_grpc.StageServicer,
+    add: Callable[[Any, Any], None] = swarm_pb2_grpc.add_StageServicer_to_server,
+) -> dict[str, grpc.RpcMethodHandler]:
+    """The generated handlers of the methods ``servicer`` implements itself, not those it inherits from the
+    generated ``base`` (which answer UNIMPLEMENTED by raising: grpc logs each call with a traceback)."""
+    handlers = generated_handlers(servicer, add)
+    return {name: h for name, h in handlers.items() if getattr(type(servicer), name) is not getattr(base, name)}
+
+
+class Unserved(grpc.GenericRpcHandler):
+    """The last generic handler of a server: every method nothing else serves (a ``Stage`` method the
+    coordinator does not implement, a made-up path) is answered UNIMPLEMENTED without reading its request,
+    counted as ``kind="unimplemented"`` and logged at most once per caller per interval, no traceback."""
+
+    KIND = "unimplemented"
+
+    def __init__(self, rejections: Rejections):
+        self.rejections = rejections
+
+    def service(self, handler_call_details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler:
+        path = str(handler_call_details.method)
+        reason = f"{short(path, MAX_METHOD)} is not served here"
+
+        async def answer(context: grpc.aio.ServicerContext) -> None:
+            await self.rejections.reject(context, method_label(path), grpc.StatusCode.UNIMPLEMENTED, reason, self.KIND)
+
+        return refusal(answer, method_kind(path))

@@ -22,6 +22,7 @@ from typing import Any
 import grpc
 
 from swarmpipe.peer.transport.auth import METADATA_KEY, AuthError, Credentials, Verifier
+from swarmpipe.peer.transport.error_contract import refusal
 from swarmpipe.peer.transport.tls import Pin, ServerCert, TLSPins
 
 # (context, method name, reason): answers the refused call (must end in ``context.abort``)
@@ -90,21 +91,11 @@ async def abort_unauthenticated(context: grpc.aio.ServicerContext, method: str, 
 def _refusal(handler: grpc.RpcMethodHandler, method: str, reason: str, reject: Reject) -> grpc.RpcMethodHandler:
     """A handler of the same kind as ``handler`` that answers UNAUTHENTICATED without reading the request."""
 
-    async def refuse(_request: Any, context: grpc.aio.ServicerContext) -> None:
+    async def answer(context: grpc.aio.ServicerContext) -> None:
         await reject(context, method, reason)
         await context.abort(grpc.StatusCode.UNAUTHENTICATED, reason[:MAX_REASON])  # if ``reject`` did not
 
-    async def refuse_streaming(_request: Any, context: grpc.aio.ServicerContext):
-        await refuse(_request, context)
-        yield  # pragma: no cover - an async generator: grpc.aio runs it as a streaming handler
-
-    if handler.response_streaming:
-        build = (
-            grpc.stream_stream_rpc_method_handler if handler.request_streaming else grpc.unary_stream_rpc_method_handler
-        )
-        return build(refuse_streaming)
-    build = grpc.stream_unary_rpc_method_handler if handler.request_streaming else grpc.unary_unary_rpc_method_handler
-    return build(refuse)  # no deserializer: a refused request's bytes are never parsed
+    return refusal(answer, (handler.request_streaming, handler.response_streaming))
 
 
 class AuthInterceptor(grpc.aio.ServerInterceptor):

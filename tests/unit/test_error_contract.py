@@ -4,8 +4,12 @@ caller strings truncated. No sockets."""
 
 from __future__ import annotations
 
+import logging
+from types import SimpleNamespace
+
 import grpc
 import pytest
+from prometheus_client import CollectorRegistry, Counter
 
 from swarmpipe.peer.spec import spec_from_dict
 from swarmpipe.peer.stage.request_checks import RequestError, check_header, reply_codec
@@ -14,14 +18,19 @@ from swarmpipe.peer.transport.error_contract import (
     MAX_DETAILS,
     Malformed,
     RateLimit,
+    Rejections,
+    Unserved,
     caller_key,
     guard_handlers,
+    method_kind,
+    method_label,
     metric_method,
+    served_handlers,
     short,
 )
 from swarmpipe.peer.transport.streaming import reassemble
 from swarmpipe.peer.transport.wire import WireError, decode
-from swarmpipe.protos import swarm_pb2
+from swarmpipe.protos import swarm_pb2, swarm_pb2_grpc
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(30)]
 
@@ -86,6 +95,65 @@ def test_metric_method_names():
         "push_state",
         "info",
     ]
+
+
+def test_method_labels_and_kinds_come_from_the_proto_and_nothing_else():
+    assert method_label("/swarmpipe.Stage/ForwardBackward") == "forward_backward"
+    assert method_label("/swarmpipe.Relay/CheckReachability") == "check_reachability"
+    assert method_label("ChainResume") == "chain_resume"  # by name, as the credential check names a call
+    assert method_label("/swarmpipe.Stage/" + HUGE) == method_label("/made.Up/X") == "unknown"  # one series
+    assert method_label(HUGE) == method_label("Forward/") == "unknown"
+    assert method_kind("/swarmpipe.Stage/PushState") == (True, False)
+    assert method_kind("/swarmpipe.Stage/DownloadState") == (False, True)
+    assert method_kind("/swarmpipe.Stage/Chain") == (False, False)
+    assert method_kind("/made.Up/X") == (True, True)  # answers a call of any kind
+
+
+# ------------------------------------------------------------------ methods a server does not serve
+
+
+class PartialServicer(swarm_pb2_grpc.StageServicer):
+    async def Info(self, request, context):
+        return swarm_pb2.InfoResponse(state="coordinator")
+
+
+class AbortingContext:
+    def __init__(self) -> None:
+        self.aborted: tuple | None = None
+
+    def peer(self) -> str:
+        return "ipv4:10.0.0.9:1234"
+
+    async def abort(self, code, details):
+        self.aborted = (code, details)
+        raise Aborted(details)
+
+
+def test_only_the_methods_a_servicer_implements_are_served():
+    assert set(served_handlers(PartialServicer())) == {"Info"}
+
+
+async def test_an_unserved_method_is_unimplemented_counted_and_logged_once(caplog):
+    errors = Counter("swarmpipe_errors_total", "refused", ["method", "kind"], registry=CollectorRegistry())
+    caplog.set_level(logging.INFO)
+    unserved = Unserved(Rejections(logging.getLogger("swarmpipe.test_unserved"), errors, lambda: "coordinator x"))
+    for path, kind in [("/swarmpipe.Stage/Chain", (False, False)), ("/made.Up/" + HUGE, (True, True))]:
+        handler = unserved.service(SimpleNamespace(method=path, invocation_metadata=()))
+        assert (handler.request_streaming, handler.response_streaming) == kind
+        assert handler.request_deserializer is None  # the request is never parsed
+        context = AbortingContext()
+        with pytest.raises(Aborted):
+            if kind == (False, False):
+                await handler.unary_unary(b"\xff", context)
+            else:
+                async for _ in handler.stream_stream(_stream(b"\xff"), context):
+                    pass
+        code, details = context.aborted
+        assert code == grpc.StatusCode.UNIMPLEMENTED and "not served here" in details and len(details) < 100
+    assert errors.labels("chain", "unimplemented")._value.get() == 1
+    assert errors.labels("unknown", "unimplemented")._value.get() == 1
+    lines = [r for r in caplog.records if r.name == "swarmpipe.test_unserved"]
+    assert len(lines) == 1 and not lines[0].exc_info and len(lines[0].getMessage()) < 300
 
 
 # ------------------------------------------------------------------ undecodable requests
