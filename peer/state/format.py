@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -20,10 +21,31 @@ import torch
 
 from swarmpipe.peer.state.errors import MixedState, StateError
 from swarmpipe.peer.state.robust_aggregate import clip_scale
-from swarmpipe.peer.state.signing import ChunkHasher, chunks_hash, sign_meta, unsigned, verify_meta
+from swarmpipe.peer.state.signing import (
+    MAX_SIGNATURE_CHARS,
+    ChunkHasher,
+    chunks_hash,
+    sign_meta,
+    unsigned,
+    verify_meta,
+)
 from swarmpipe.peer.swarm.identity import Identity
 from swarmpipe.peer.transport.wire import decode, encode
 from swarmpipe.protos import swarm_pb2
+
+MAX_NAMES = 1 << 16  # tensors one state lists (a 70B model's stage has a few thousand)
+MAX_NAME_CHARS = 512
+MAX_TEXT_CHARS = 256  # run id, digests, kinds
+MAX_SIGNER_CHARS = 4096  # an RSA public key
+MAX_STAGES = 256  # as a spec's num_stages
+MAX_STATE_VERSION = (1 << 63) - 1  # a StateChunk's int64; whether a version is believable is the caller's rule
+MAX_PARAM_GROUPS = 1024
+_TENSOR_NAME = re.compile(r"param\.\S+|optim\.\d{1,9}\.\S+")  # what capture() names (load_into parses optim.<i>)
+_TEXTS = {"run_id": MAX_TEXT_CHARS, "digest": MAX_TEXT_CHARS, "base_digest": MAX_TEXT_CHARS}
+_TEXTS.update(finetune=MAX_TEXT_CHARS, purpose=MAX_TEXT_CHARS, chunk_hash=MAX_TEXT_CHARS)
+_TEXTS.update(signer=MAX_SIGNER_CHARS, signature=MAX_SIGNATURE_CHARS)
+_INTS = {"version": (0, MAX_STATE_VERSION), "stage": (0, MAX_STAGES - 1)}
+_FLAGS = ("base", "params_only")
 
 
 @dataclass
@@ -140,6 +162,79 @@ def _jsonable(value: Any) -> Any:
     return value
 
 
+# ---------------------------------------------------------------- metadata from the wire
+def _json_kind(value: Any) -> str:
+    names = {dict: "object", list: "array", str: "string", bool: "boolean", int: "number", float: "number"}
+    return "null" if value is None else names.get(type(value), type(value).__name__)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def check_meta(meta: Any) -> dict[str, Any]:
+    """``meta`` (a state stream's parsed metadata JSON) when every field a reader of it uses has its JSON type
+    and bounds; :class:`StateError` (a ValueError: INVALID_ARGUMENT on the servers) with a short reason
+    otherwise. The one check for every state from elsewhere: a pushed state, a donor's shard, a checkpoint.
+    Fields no reader uses are left as they are."""
+    if not isinstance(meta, dict):
+        raise StateError(f"state metadata is a JSON {_json_kind(meta)}, not an object")
+    names = meta.get("names", [])
+    if not isinstance(names, list):
+        raise StateError(f"state metadata 'names' is a JSON {_json_kind(names)}, not an array")
+    if len(names) > MAX_NAMES:
+        raise StateError(f"state metadata lists {len(names)} tensors, more than {MAX_NAMES}")
+    for name in names:
+        if not isinstance(name, str) or len(name) > MAX_NAME_CHARS or not _TENSOR_NAME.fullmatch(name):
+            shown = name[:64] if isinstance(name, str) else _json_kind(name)
+            raise StateError(f"state metadata lists a tensor {shown!r} that is not a param.* or optim.<i>.* name")
+    for key, limit in _TEXTS.items():
+        value = meta.get(key)
+        if value is not None and (not isinstance(value, str) or len(value) > limit):
+            raise StateError(f"state metadata {key!r} must be a string of at most {limit} characters")
+    for key, (low, high) in _INTS.items():
+        value = meta.get(key)
+        if value is not None and (not _is_int(value) or not low <= value <= high):
+            shown = value if _is_int(value) else _json_kind(value)
+            raise StateError(f"state metadata {key!r} must be an integer in [{low}, {high}], not {str(shown)[:32]}")
+    for key in _FLAGS:
+        if meta.get(key) is not None and not isinstance(meta[key], bool):
+            raise StateError(f"state metadata {key!r} must be true or false, not a JSON {_json_kind(meta[key])}")
+    signed_at = meta.get("signed_at")
+    if signed_at is not None and (not isinstance(signed_at, (int, float)) or isinstance(signed_at, bool)):
+        raise StateError(f"state metadata 'signed_at' must be a number, not a JSON {_json_kind(signed_at)}")
+    _check_optimizer(meta.get("optimizer"))
+    return meta
+
+
+def _check_optimizer(optimizer: Any) -> None:
+    """The optimizer part of a state's metadata: what :func:`load_into` hands to ``load_state_dict``."""
+    if optimizer is None:
+        return
+    if not isinstance(optimizer, dict):
+        raise StateError(f"state metadata 'optimizer' is a JSON {_json_kind(optimizer)}, not an object")
+    kind = optimizer.get("kind")
+    if kind is not None and (not isinstance(kind, str) or len(kind) > MAX_TEXT_CHARS):
+        raise StateError(f"state metadata optimizer 'kind' must be a string of at most {MAX_TEXT_CHARS} characters")
+    groups = optimizer.get("param_groups", [])
+    if not isinstance(groups, list) or len(groups) > MAX_PARAM_GROUPS or not all(isinstance(g, dict) for g in groups):
+        raise StateError(
+            f"state metadata optimizer 'param_groups' must be an array of at most {MAX_PARAM_GROUPS} objects"
+        )
+    for group in groups:
+        params = group.get("params", [])
+        if not isinstance(params, list) or len(params) > MAX_NAMES or not all(_is_int(i) for i in params):
+            raise StateError("state metadata optimizer param group 'params' must be an array of integers")
+    scalars = optimizer.get("scalars", {})
+    if not isinstance(scalars, dict):
+        raise StateError(f"state metadata optimizer 'scalars' is a JSON {_json_kind(scalars)}, not an object")
+    for index, entry in scalars.items():
+        if not re.fullmatch(r"\d{1,9}", index) or not isinstance(entry, dict):
+            raise StateError(
+                f"state metadata optimizer scalars {index[:16]!r} must be a parameter index with an object"
+            )
+
+
 # ---------------------------------------------------------------- wire form
 def to_chunks(
     state: StageState,
@@ -180,6 +275,7 @@ def from_chunks(
     for the caller to judge. Without it a signature is not required (state read back from local disk)."""
     meta: dict[str, Any] | None = None
     tensors: dict[str, torch.Tensor] = {}
+    listed: set[str] = set()
     total = None
     count = 0
     hasher = ChunkHasher()
@@ -190,13 +286,18 @@ def from_chunks(
             if not chunk.metadata_json:
                 raise StateError("state stream does not start with metadata")
             try:
-                meta = json.loads(chunk.metadata_json)
+                meta = check_meta(json.loads(chunk.metadata_json))
+            except RecursionError:  # nesting deeper than the parser's stack
+                raise StateError("state metadata is nested too deeply") from None
+            except StateError:
+                raise
             except ValueError as e:
-                raise StateError(f"state metadata is not JSON: {e}") from None
+                raise StateError(f"state metadata is not JSON: {str(e)[:80]}") from None
+            listed = set(meta.get("names", ()))
             total = chunk.total
         else:
-            if chunk.name not in meta.get("names", ()):
-                raise StateError(f"state chunk {chunk.name!r} is not listed in the metadata")
+            if chunk.name not in listed:
+                raise StateError(f"state chunk {chunk.name[:64]!r} is not listed in the metadata")
             tensors[chunk.name] = decode(chunk.tensor, max_elements=max_elements, what=f"state {chunk.name}").clone()
         count += 1
     if meta is None or count != total:
