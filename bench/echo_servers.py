@@ -29,6 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from swarmpipe.peer.spec import LimitsSpec, ModelSpec, RunSpec  # noqa: E402
 from swarmpipe.peer.stage.metrics import PeerMetrics  # noqa: E402
 from swarmpipe.peer.stage.server import StageServicer, start_server  # noqa: E402
+from swarmpipe.peer.stage.stash import PendingForwards, RuntimeStats  # noqa: E402
 from swarmpipe.peer.swarm.records import PeerState  # noqa: E402
 from swarmpipe.peer.transport.channels import tune_allocator  # noqa: E402
 from swarmpipe.peer.transport.streaming import frames  # noqa: E402
@@ -46,9 +47,8 @@ class IdentityRuntime:
     def __init__(self, spec: RunSpec):
         self.spec, self.stage, self.version = spec, 1, 0
         self.is_first = self.is_last = False
-        self.stats = type("S", (), {"samples": 0, "dropped_stale": 0, "busy_seconds": 0.0, "steps": 0})()
-        self.pending: dict = {}
-        self.max_pending = 256
+        self.stats = RuntimeStats()
+        self.pending = PendingForwards(self.stats)  # the server's sibling waits and metrics read it
         self.device = torch.device("cpu")
         self._compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix="compute")
 
@@ -66,12 +66,6 @@ class IdentityRuntime:
 
     def throughput(self) -> float:
         return 0.0
-
-    def stashed_versions(self) -> list:
-        return []
-
-    def stash_bytes(self) -> int:
-        return 0
 
 
 def stage_spec(width: int = WIDTH) -> RunSpec:
@@ -101,7 +95,7 @@ async def serve_stage(width: int, variant: str = "", canned_bytes: int = 1 << 20
         async def forward_inline(item, key=()):
             return item[1], None
 
-        servicer.forwards.submit = forward_inline
+        servicer.core.forwards.submit = forward_inline
     elif variant == "canned":
         canned = canned_reply(width, canned_bytes)
 

@@ -29,11 +29,12 @@ _training = contextvars.ContextVar("training", default=False)
 
 
 def install(mode: str) -> None:
-    from swarmpipe.peer.stage import server
+    from swarmpipe.peer.stage.chain.service import ChainService
+    from swarmpipe.peer.stage.server import StageServicer
+    from swarmpipe.peer.stage.service.core import ServingCore
 
     corrupt = CORRUPTIONS[mode]
-    servicer = server.StageServicer
-    encode = servicer._encode
+    encode = ServingCore.encode
 
     def lying_encode(self, t, codec, sink=None, field=""):
         if _training.get() and field in ("output", "grad_input"):
@@ -50,23 +51,24 @@ def install(mode: str) -> None:
 
         return wrapped
 
-    chain_next = servicer._chain_next
+    call_next = ChainService._call_next
 
-    async def lying_chain_next(self, request, out, *rest):
-        return await chain_next(self, request, corrupt(out).to(out.dtype), *rest)
+    async def lying_call_next(self, request, out, *rest):
+        return await call_next(self, request, corrupt(out).to(out.dtype), *rest)
 
-    servicer._encode = lying_encode
-    servicer._chain_next = lying_chain_next  # a chained output goes straight to the next stage: lie there too
-    park = servicer._chain_park
+    ServingCore.encode = lying_encode  # every reply tensor of every service is encoded here
+    ChainService._call_next = lying_call_next  # a chained output goes straight to the next stage: lie there too
+    park = ChainService._park
 
-    async def lying_chain_park(self, request, out, *rest):
+    async def lying_park(self, request, out, *rest):
         return await park(self, request, corrupt(out).to(out.dtype), *rest)
 
-    servicer._chain_park = lying_chain_park  # and the output a chain parks for the trainer to carry on
-    servicer.Chain = marking(servicer.Chain, lambda r: True)  # and on the input gradient a chain returns
-    servicer.Forward = marking(servicer.Forward, lambda r: not r.evaluate)
-    servicer.ForwardBackward = marking(servicer.ForwardBackward, lambda r: not r.evaluate)
-    servicer.Backward = marking(servicer.Backward, lambda r: True)
+    ChainService._park = lying_park  # and the output a chain parks for the trainer to carry on
+    # The servicer's RPCs (what grpc and Stream call): a chain's input gradient, and training calls' tensors
+    StageServicer.Chain = marking(StageServicer.Chain, lambda r: True)
+    StageServicer.Forward = marking(StageServicer.Forward, lambda r: not r.evaluate)
+    StageServicer.ForwardBackward = marking(StageServicer.ForwardBackward, lambda r: not r.evaluate)
+    StageServicer.Backward = marking(StageServicer.Backward, lambda r: True)
 
 
 def main(argv: list[str]) -> int:

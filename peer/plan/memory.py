@@ -284,3 +284,51 @@ def stages_that_fit(
         if estimate.total_bytes <= headroom * free_bytes:
             fit.append(stage)
     return fit
+
+
+# ---------------------------------------------------------------- a peer choosing and bounding its stage
+def default_in_flight(spec: RunSpec) -> int:
+    """Micro-batches a stage may hold at once: the trainer's default (two per stage)."""
+    return 2 * spec.num_stages
+
+
+def weights_dtype_bytes(spec: RunSpec) -> int:
+    """Bytes per weight (and per gradient, optimizer and stashed value): bf16 or float32."""
+    return 2 if spec.precision.weights == "bf16" else 4
+
+
+def activation_dtype_bytes(autocast: bool) -> int:
+    """Bytes per activation value: 2 under (bf16 or fp16) autocast, else float32's 4."""
+    return 2 if autocast else 4
+
+
+def estimate_for_peer(spec: RunSpec, stage: int, autocast: bool) -> MemoryEstimate:
+    """What ``stage`` needs on a peer that computes under ``autocast`` or not, with the trainer's default
+    micro-batches in flight and the spec's weight dtype."""
+    return estimate_stage_memory(
+        spec,
+        stage,
+        default_in_flight(spec),
+        weights_bytes=weights_dtype_bytes(spec),
+        activation_bytes=activation_dtype_bytes(autocast),
+    )
+
+
+def stages_that_fit_peer(spec: RunSpec, free_bytes: int, autocast: bool) -> list[int]:
+    """:func:`stages_that_fit` for a peer as :func:`estimate_for_peer` sees it."""
+    return stages_that_fit(
+        spec,
+        free_bytes,
+        default_in_flight(spec),
+        weights_dtype_bytes(spec),
+        activation_bytes=activation_dtype_bytes(autocast),
+    )
+
+
+def stash_bound_bytes(spec: RunSpec, budget_bytes: int, bounded: bool) -> int:
+    """Bytes a stage's stashed weight snapshots may take: the spec's ``max_stash_mb``, else half the peer's
+    memory budget when ``bounded`` (an accelerator, or a peer given --max-memory-mb), else 0: none beyond
+    max_staleness (a CPU host swaps before it crashes, and tests run there)."""
+    if spec.update.max_stash_mb:
+        return spec.update.max_stash_mb << 20
+    return budget_bytes // 2 if bounded else 0

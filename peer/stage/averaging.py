@@ -72,8 +72,8 @@ class ReplicaAverager:
 
     async def run(self, swarm: SwarmDHT) -> None:
         runtime = self.runtime
-        if runtime.anchor() is None:  # our movement is measured from where we started serving
-            await runtime.run(runtime.set_anchor)
+        if runtime.weights.anchor() is None:  # our movement is measured from where we started serving
+            await runtime.run(runtime.weights.set_anchor)
         while True:
             start_at = self.next_round_at()
             await asyncio.sleep(max(0.0, start_at - time.time()))
@@ -99,9 +99,10 @@ class ReplicaAverager:
         who signed which address). Returns whether anything was applied."""
         started = time.monotonic()
         runtime = self.runtime
+        weights = runtime.weights
         chosen = random.sample(sorted(others), min(self.max_donors, len(others)))
         names, snapshot, anchor = await runtime.run(
-            lambda: (list(runtime.trainable()), runtime.weights(), runtime.anchor())
+            lambda: (list(weights.trainable()), weights.copies(), weights.anchor())
         )
         version = runtime.version
         own = flatten(snapshot)
@@ -118,8 +119,8 @@ class ReplicaAverager:
         del contributions, pulled
 
         def apply() -> None:  # our next movement counts from the aggregate: what we add now is not ours
-            runtime.add_correction(snapshot, unflatten(result.vector, snapshot))
-            runtime.set_anchor(result.vector)
+            weights.add_correction(snapshot, unflatten(result.vector, snapshot))
+            weights.set_anchor(result.vector)
 
         await runtime.run(apply)
         moved = float((result.vector - own).norm())

@@ -34,9 +34,9 @@ def read_local_base(folder: str, runtime: StageRuntime) -> HFCheckpoint:
         raise CheckpointError(
             f"checkpoint {folder} is not this run's base (digest {ckpt.digest()[:16]}, run {spec.model.base_digest[:16]})"
         )
-    names = runtime.base_names()
+    names = runtime.weights.base_names()
     tensors = ckpt.read(sorted({checkpoint_name(spec, n) for n in names}))
-    runtime.load_base({n: tensors[checkpoint_name(spec, n)] for n in names})
+    runtime.weights.load_base({n: tensors[checkpoint_name(spec, n)] for n in names})
     return ckpt
 
 
@@ -91,7 +91,7 @@ async def load_base_weights(
                 state = await download_state(
                     addresses, spec.run_id, runtime.stage, spec.limits.max_message_mb, base=True, signers=signers
                 )
-                await runtime.run(runtime.load_base, base_from_state(state, runtime))
+                await runtime.run(runtime.weights.load_base, base_from_state(state, runtime))
             except (StateError, ValueError) as e:
                 errors.append(f"{source}: {e}"[:300])
                 events.emit("base_download_failed", level=logging.WARNING, source=source, error=str(e)[:300])

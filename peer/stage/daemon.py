@@ -13,7 +13,14 @@ import torch
 
 from swarmpipe.peer.config import PeerConfig, default_threads
 from swarmpipe.peer.events import EventLog
-from swarmpipe.peer.plan.memory import check_fits, estimate_stage_memory, stages_that_fit
+from swarmpipe.peer.plan.memory import (
+    MemoryEstimate,
+    check_fits,
+    estimate_for_peer,
+    stages_that_fit_peer,
+    stash_bound_bytes,
+)
+from swarmpipe.peer.spec import RunSpec
 from swarmpipe.peer.stage.averaging import ReplicaAverager
 from swarmpipe.peer.stage.base_weights import load_base_weights
 from swarmpipe.peer.stage.device import device_info, memory_in_use, resolve_device
@@ -25,6 +32,7 @@ from swarmpipe.peer.stage.rebalancer import Rebalancer
 from swarmpipe.peer.stage.runtime import StageRuntime
 from swarmpipe.peer.stage.server import StageServicer, start_server
 from swarmpipe.peer.stage.serving_address import NotReachable, ServingAddress
+from swarmpipe.peer.state.format import StageState
 from swarmpipe.peer.swarm.balance import choose_stage
 from swarmpipe.peer.swarm.bootstrap import neediest_run, resolve_initial_peers
 from swarmpipe.peer.swarm.dht import SwarmDHT, reconnect_bootstrap, restart_as_client, start_dht
@@ -43,7 +51,7 @@ class PeerDaemon:
     def __init__(self, cfg: PeerConfig):
         self.cfg = cfg
         self.stop_requested = asyncio.Event()
-        self.events = EventLog(cfg.event_log, "peer")
+        self.events = EventLog(cfg.event_log, "peer")  # without our id until the DHT gives it (_serve)
         self.lifecycle = Lifecycle()
         self.dht = None
         self.swarm: SwarmDHT | None = None
@@ -110,7 +118,7 @@ class PeerDaemon:
     async def _serve(self) -> int:
         cfg = self.cfg
         peer_id = self.dht.peer_id.to_base58()
-        self.events.peer_id = peer_id
+        self.events = EventLog(cfg.event_log, "peer", peer_id)  # our id is known from here on
         run_id = cfg.run_id or await self._pick_run()
         self.swarm = SwarmDHT(self.dht, run_id)
         spec = await self.swarm.wait_for_spec(cfg.spec_timeout, initial_peers=self.initial_peers)
@@ -121,9 +129,7 @@ class PeerDaemon:
             stage = cfg.stage
             check_fits(self.memory_estimate(spec, stage), budget, self.device_label)  # refuse before serving
         else:  # the neediest stage among those that fit here
-            fitting = stages_that_fit(
-                spec, budget, self.in_flight(spec), self.weights_bytes(spec), activation_bytes=self.act_bytes(spec)
-            )
+            fitting = stages_that_fit_peer(spec, budget, self.autocast(spec))
             if not fitting:
                 smallest = min(range(spec.num_stages), key=lambda s: self.memory_estimate(spec, s).total_bytes)
                 check_fits(self.memory_estimate(spec, smallest), budget, self.device_label)
@@ -135,19 +141,17 @@ class PeerDaemon:
             spec, stage, base_dir=cfg.checkpoint, device=self.device, stash_bound_bytes=self.stash_bound(spec)
         )
         metrics = PeerMetrics()
-        self.servicer = StageServicer(runtime, peer_id, metrics, self.lifecycle)
-        # shards we serve are signed by us; pushed state is taken only from our stage's announced replicas
-        self.servicer.identity = self.swarm.identity
-        self.servicer.stage_members = lambda: self.swarm.stage_peers(self.servicer.runtime.stage)
-        self.servicer.chain_members = self.swarm.stage_peers  # the only hops a chained call may dial
-        self.servicer.on_state_pushed = lambda state: self.events.emit(
-            "state_received",
-            from_version=state.version,
-            digest=state.digest(),
-            version=self.servicer.runtime.version,
-            clipped=state.meta.get("blend_scale", 1.0) < 1.0,  # its pull bounded like an averaging round's
-            scale=float(f"{state.meta.get('blend_scale', 1.0):.4g}"),
-            radius=float(f"{state.meta.get('blend_radius', 0.0):.4g}"),
+        # Shards we serve are signed by us; pushed state is taken only from our stage's announced replicas,
+        # and a chained call dials only announced hops. Read through self.swarm when called: a peer that turns
+        # into a DHT client (_through_a_relay) reads through its new node from then on.
+        self.servicer = StageServicer(
+            runtime,
+            peer_id,
+            metrics,
+            self.lifecycle,
+            identity=self.swarm.identity,
+            stage_peers=lambda stage: self.swarm.stage_peers(stage),
+            on_state_pushed=self._state_pushed,
         )
         self.relay = relay_servicer(cfg, peer_id)  # checks reachability for others; relays with --relay-capacity
         self.server, port = await start_server(self.servicer, cfg.host, cfg.port, services=relay_handlers(self.relay))
@@ -166,7 +170,7 @@ class PeerDaemon:
         await self._announce()  # visible as "joining" while state arrives
         if cfg.state_download:
             await load_initial_state(self.swarm, runtime, self.events)
-        elif runtime.awaiting_base:
+        elif runtime.weights.awaiting_base:
             await load_base_weights(self.swarm, runtime, self.events, cfg.checkpoint)
         self.lifecycle.change(PeerState.ONLINE)
         await self._announce()
@@ -186,6 +190,18 @@ class PeerDaemon:
         runtime = self.servicer.runtime
         self.events.emit("stopped", stage=runtime.stage, version=runtime.version, steps=runtime.stats.steps)
         return 0
+
+    def _state_pushed(self, state: StageState) -> None:
+        """A draining sibling's state was blended into ours: the event log hears of it."""
+        self.events.emit(
+            "state_received",
+            from_version=state.version,
+            digest=state.digest(),
+            version=self.servicer.runtime.version,
+            clipped=state.meta.get("blend_scale", 1.0) < 1.0,  # its pull bounded like an averaging round's
+            scale=float(f"{state.meta.get('blend_scale', 1.0):.4g}"),
+            radius=float(f"{state.meta.get('blend_radius', 0.0):.4g}"),
+        )
 
     async def _moved(self) -> None:
         """Another relay carries us now: its address, announced at once (and in the ready file)."""
@@ -216,7 +232,7 @@ class PeerDaemon:
             self.averaging_task.cancel()
         runtime = self.servicer.runtime
         # our own movement, which bounds averaging rounds and pushed states, counts from here
-        runtime.submit(runtime.set_anchor)
+        runtime.submit(runtime.weights.set_anchor)
         if runtime.spec.averaging_interval_s > 0:
             self.averager = ReplicaAverager(runtime, self.events)
             self.averaging_task = asyncio.create_task(self.averager.run(self.swarm))
@@ -255,7 +271,7 @@ class PeerDaemon:
         )
         await self._announce()
         deadline = asyncio.get_running_loop().time() + self.cfg.drain_timeout
-        while (servicer.runtime.pending or servicer.in_flight) and asyncio.get_running_loop().time() < deadline:
+        while (servicer.runtime.pending or servicer.core.in_flight) and asyncio.get_running_loop().time() < deadline:
             await asyncio.sleep(0.1)
         self.events.emit("drained", unfinished=len(servicer.runtime.pending), version=servicer.runtime.version)
         return deadline
@@ -278,7 +294,7 @@ class PeerDaemon:
             address=self.address,
             relay=self.serving.relay_peer,
             state=state or self.lifecycle.state,
-            queue=s.queue,
+            queue=s.core.queue,
             version=s.runtime.version,
             throughput=s.runtime.throughput() if throughput is None else throughput,
             updated_at=now(),
@@ -299,34 +315,18 @@ class PeerDaemon:
         free = self.device_info.free_bytes
         return min(free, self.cfg.max_memory_mb << 20) if self.cfg.max_memory_mb else free
 
-    @staticmethod
-    def in_flight(spec) -> int:
-        return 2 * spec.num_stages  # the trainer's default: micro-batches a stage may hold at once
+    def autocast(self, spec: RunSpec) -> bool:
+        """Whether this device computes ``spec`` under autocast (its activations are 2 bytes then)."""
+        return resolve_precision(spec.precision, self.device).autocast
 
-    @staticmethod
-    def weights_bytes(spec) -> int:
-        return 2 if spec.precision.weights == "bf16" else 4
+    def memory_estimate(self, spec: RunSpec, stage: int) -> MemoryEstimate:
+        return estimate_for_peer(spec, stage, self.autocast(spec))
 
-    def act_bytes(self, spec) -> int:
-        return 2 if resolve_precision(spec.precision, self.device).autocast else 4
-
-    def memory_estimate(self, spec, stage: int):
-        return estimate_stage_memory(
-            spec,
-            stage,
-            self.in_flight(spec),
-            weights_bytes=self.weights_bytes(spec),
-            activation_bytes=self.act_bytes(spec),
-        )
-
-    def stash_bound(self, spec) -> int:
-        """Bytes the stashed snapshots may take: the spec's bound, else half the accelerator's free memory
-        (on the CPU none beyond max_staleness: the host swaps before it crashes, and tests run there)."""
-        if spec.update.max_stash_mb:
-            return spec.update.max_stash_mb << 20
-        if self.cfg.max_memory_mb or self.device.type != "cpu":
-            return self.memory_budget() // 2
-        return 0
+    def stash_bound(self, spec: RunSpec) -> int:
+        """Bytes the stashed snapshots may take (peer/plan/memory.py): bounded by the memory budget on an
+        accelerator or with --max-memory-mb."""
+        bounded = bool(self.cfg.max_memory_mb) or self.device.type != "cpu"
+        return stash_bound_bytes(spec, self.memory_budget(), bounded)
 
     @property
     def record_ttl(self) -> float:

@@ -25,7 +25,7 @@ async def load_initial_state(swarm: SwarmDHT, runtime: StageRuntime, events: Eve
     takes a replica's whole state and needs no base download."""
     spec = runtime.spec
     loop = asyncio.get_running_loop()
-    if runtime.awaiting_base and spec.finetune.method == "lora":
+    if runtime.weights.awaiting_base and spec.finetune.method == "lora":
         await load_base_weights(swarm, runtime, events, runtime.base_dir)
     peers = await swarm.stage_peers(runtime.stage)
     donors = [r.address for pid, r in peers.items() if pid != events.peer_id and r.state is PeerState.ONLINE]
@@ -51,7 +51,7 @@ async def load_initial_state(swarm: SwarmDHT, runtime: StageRuntime, events: Eve
                 on_progress=bar.update,
                 signers=signers,
             )
-            await runtime.run(runtime.import_state, state)
+            await runtime.run(runtime.weights.import_state, state)
         except (StateError, ValueError) as e:
             events.emit("state_download_failed", level=logging.WARNING, source=source, error=str(e)[:300])
             continue
@@ -67,7 +67,7 @@ async def load_initial_state(swarm: SwarmDHT, runtime: StageRuntime, events: Eve
             seconds=round(loop.time() - started, 2),
         )
         return source
-    if runtime.awaiting_base:
+    if runtime.weights.awaiting_base:
         return "base:" + await load_base_weights(swarm, runtime, events, runtime.base_dir)
     events.emit("state_from_seed", stage=runtime.stage, seed=spec.seed)
     return "seed"
@@ -75,7 +75,7 @@ async def load_initial_state(swarm: SwarmDHT, runtime: StageRuntime, events: Eve
 
 async def hand_off_state(swarm: SwarmDHT, runtime: StageRuntime, events: EventLog) -> str | None:
     """Give our newest state to a live replica (it averages it in), else to the coordinator (it checkpoints it)."""
-    state = await runtime.run(runtime.export_state)
+    state = await runtime.run(runtime.weights.export_state)
     peers = await swarm.stage_peers(runtime.stage)
     targets = [
         ("replica", r.address) for pid, r in peers.items() if pid != events.peer_id and r.state is PeerState.ONLINE

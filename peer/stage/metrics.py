@@ -60,8 +60,8 @@ class PeerMetrics:
     def watch_runtime(self, runtime: Callable[[], Any]) -> None:
         """Gauges read when scraped, not on every backward: the stash and the device's memory of whichever
         runtime the server holds then (``runtime`` returns it; a move swaps it)."""
-        self.stash_versions.set_function(lambda: len(runtime().stashed_versions()))
-        self.stash_bytes.set_function(lambda: runtime().stash_bytes())
+        self.stash_versions.set_function(lambda: len(runtime().pending.versions()))
+        self.stash_bytes.set_function(lambda: runtime().pending.snapshot_bytes())
         self.device_memory.set_function(lambda: memory_in_use(runtime().device))
 
     def serve(self, port: int, host: str = "0.0.0.0") -> int:

@@ -78,7 +78,7 @@ class Rebalancer:
         # built off the event loop; it owns its own thread
         new = await old.run(
             lambda: StageRuntime(
-                spec, target, base_dir=old.base_dir, device=old.device, stash_bound_bytes=old.stash_bound_bytes
+                spec, target, base_dir=old.base_dir, device=old.device, stash_bound_bytes=old.pending.bound_bytes
             )
         )
         new.assume_throughput(estimate)  # others must count us at the new stage right away, not as zero

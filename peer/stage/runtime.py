@@ -10,14 +10,16 @@ staler than the spec's bound are dropped and counted, never applied silently.
 
 The runtime owns its compute thread: every call that reads or writes its weights (compute, state
 export/import, blending, averaging corrections) runs there, through :meth:`StageRuntime.run` or
-:meth:`StageRuntime.submit`, so no other module touches its fields or borrows its executor.
+:meth:`StageRuntime.submit`, so no other module touches its fields or borrows its executor. It is built
+from two parts it owns: the weights (``runtime.weights``, :class:`~swarmpipe.peer.stage.weights.StageWeights`)
+and the stash of forwards awaiting their backward (``runtime.pending``,
+:class:`~swarmpipe.peer.stage.stash.PendingForwards`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections import Counter, OrderedDict
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, TypeVar
@@ -25,15 +27,16 @@ from typing import Any, TypeVar
 import torch
 from torch.func import functional_call
 
-from swarmpipe.peer.model import build_stage, has_base_checkpoint, lm_loss
+from swarmpipe.peer.model import lm_loss
 from swarmpipe.peer.norm_guard import NormGuard
-from swarmpipe.peer.optim import StepAccumulator, build_optimizer, set_learning_rate, tell_drift
+from swarmpipe.peer.optim import StepAccumulator
 from swarmpipe.peer.spec import RunSpec
 from swarmpipe.peer.stage.device import to_device, to_host
 from swarmpipe.peer.stage.precision import LossScale, resolve_precision
 from swarmpipe.peer.stage.stash import (  # noqa: F401 (BackwardResult, UnknownMicrobatch: part of this API)
     BackwardResult,
     ForwardGroup,
+    PendingForwards,
     RuntimeStats,
     UnknownMicrobatch,
     concat_rows,
@@ -44,7 +47,7 @@ from swarmpipe.peer.stage.weights import StageWeights
 T = TypeVar("T")
 
 
-class StageRuntime(StageWeights):
+class StageRuntime:
     def __init__(
         self,
         spec: RunSpec,
@@ -60,30 +63,25 @@ class StageRuntime(StageWeights):
         self.device = torch.device(device or "cpu")
         self.precision = resolve_precision(spec.precision, self.device)
         self.loss_scale = LossScale(self.precision.scaled)
-        self.stash_bound_bytes = stash_bound_bytes  # 0: no bound beyond max_staleness
-        # A stage whose weights come from a checkpoint is built empty (meta tensors, no memory) and gets its
-        # weights from load_base or import_state: the peer never holds a random copy next to the real one.
-        self.awaiting_base = has_base_checkpoint(spec)
-        self.module = build_stage(spec, stage, empty=self.awaiting_base)
-        self.module.train()
-        self.is_first = self.module.is_first
-        self.is_last = self.module.is_last
-        if not self.awaiting_base:
-            self._place()  # on the device, in the weights' dtype
-        self.optimizer = build_optimizer(self.module.named_parameters(), spec.optimizer, stage, spec.num_stages)
+        self.stats = RuntimeStats()
+        # stash_bound_bytes 0: no bound beyond max_staleness
+        self.pending = PendingForwards(self.stats, max_pending, stash_bound_bytes)
+        self.weights = StageWeights(spec, stage, self.device, self.precision, self.pending)
+        self.is_first = self.weights.module.is_first
+        self.is_last = self.weights.module.is_last
         # Weight stashing (the default): a forward keeps its weight snapshot and graph, so its backward is
         # exact. Without (optimizer.stash = false) nothing but the input is kept, and the backward
         # differentiates on the weights live when it arrives: less memory, a stale-weights gradient.
-        self.stash = spec.optimizer.stash
-        self.version = 0  # optimizer steps applied to the live weights
-        self.pending: OrderedDict[str, ForwardGroup] = OrderedDict()  # micro-batch id -> its forward
-        self.max_pending = max_pending
-        self.stats = RuntimeStats()
+        self.stashing = spec.optimizer.stash
         self.gradient_guard = NormGuard()
         self.accumulator = StepAccumulator(spec.optimizer)  # gradients since the last step, their delays and drift
-        self._snapshot: tuple[int, dict[str, torch.Tensor]] | None = None
         self.speed = ThroughputEstimate(spec.microbatch_size)
         self._compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"compute-s{stage}")
+
+    @property
+    def version(self) -> int:
+        """The live weights' version (:attr:`StageWeights.version`)."""
+        return self.weights.version
 
     # ---------------------------------------------------------------- the compute thread
     def submit(self, fn: Callable[[], T]) -> Future[T]:
@@ -112,26 +110,23 @@ class StageRuntime(StageWeights):
         if len({tuple(x.shape[1:]) for _, x in items}) != 1:
             raise ValueError("micro-batches in one batch must share their trailing shape")
         for mb in ids:
-            self._forget(mb)  # a retried forward replaces the old record
+            self.pending.forget(mb)  # a retried forward replaces the old record
         joined, slices = concat_rows([x for _, x in items])
         joined = to_device(joined, self.device)
-        if self.stash:
-            params = self._params_snapshot()
+        module = self.weights.module
+        if self.stashing:
+            params = self.weights.snapshot()
             x = joined if self.is_first else joined.detach().float().requires_grad_(True)
             with self.precision.context():
-                output = functional_call(self.module, params, (x,))
+                output = functional_call(module, params, (x,))
         else:  # no stash: keep only the input; the backward recomputes on the weights live then
             params = None
             x = joined if self.is_first else joined.detach().float()
             with torch.no_grad(), self.precision.context():
-                output = self.module(x)
+                output = module(x)
         rows = dict(zip(ids, slices))
         group = ForwardGroup(self.version, self.stats.steps, x, output, params, time.monotonic(), rows, set(ids))
-        for mb in ids:
-            self.pending[mb] = group
-        while len(self.pending) > self.max_pending:
-            self._forget(self._eviction_victim())
-            self.stats.expired += 1
+        self.pending.add(group)
         self.stats.forwards += len(items)
         self._observe(time.perf_counter() - started, x.shape[0], weight=1 / 3, microbatches=len(items))
         detached = to_host(output.detach().float())  # the reply leaves from the host
@@ -174,7 +169,7 @@ class StageRuntime(StageWeights):
         started = time.perf_counter()
         ids = [mb for _, mb, _ in members]
         for mb in ids:
-            self._forget(mb)
+            self.pending.forget(mb)
         if (
             group.params is not None and not group.outstanding
         ):  # all owed members are here: one backward, the group's graph
@@ -184,11 +179,11 @@ class StageRuntime(StageWeights):
             x, output, grad_output, params = group.inputs, group.output, grad_full, group.params
             rows = {mb: group.rows[mb] for mb in ids}
         else:  # siblings are still out (or no stash): recompute just these rows
-            params = group.params if group.params is not None else self.trainable()
+            params = group.params if group.params is not None else self.weights.trainable()
             joined, slices = concat_rows([group.inputs[group.rows[mb]].detach() for mb in ids])
             x = joined if self.is_first else joined.requires_grad_(True)
             with self.precision.context():
-                output = functional_call(self.module, params, (x,))
+                output = functional_call(self.weights.module, params, (x,))
             grad_output = torch.cat([to_device(g, self.device).to(output.dtype) for _, _, g in members])
             rows = dict(zip(ids, slices))
             self.stats.recomputed += len(ids) if group.params is not None else 0
@@ -211,18 +206,6 @@ class StageRuntime(StageWeights):
                     shared.dropped_reason,
                 ),
             )
-
-    def _eviction_victim(self) -> str:
-        """The oldest forward of whoever holds the most, so one caller's flood pushes out its own work, not
-        another's. Keys are ``"<caller>|<ticket digest>|<id>"`` (the servicer's ``pending_key``)."""
-        counts = Counter(key.split("|", 1)[0] for key in self.pending)
-        hog = max(counts, key=counts.__getitem__)
-        return next(key for key in self.pending if key.split("|", 1)[0] == hog)
-
-    def _forget(self, microbatch_id: str) -> None:
-        group = self.pending.pop(microbatch_id, None)
-        if group is not None:
-            group.forget(microbatch_id)
 
     def _differentiate(
         self, output: torch.Tensor, grad_output: torch.Tensor | None, x: torch.Tensor, params: dict[str, torch.Tensor]
@@ -248,10 +231,11 @@ class StageRuntime(StageWeights):
         inputs, grad_output = to_device(inputs, self.device), to_device(grad_output, self.device)
         x = inputs if self.is_first else inputs.detach().float().requires_grad_(True)
         with self.precision.context():
-            output = self.module(x)
+            output = self.weights.module(x)
         if grad_output.shape != output.shape:
             raise ValueError(f"grad_output shape {list(grad_output.shape)} does not match output {list(output.shape)}")
-        grad_input, param_grads = self._differentiate(output, grad_output.to(output.dtype), x, self.trainable())
+        trainable = self.weights.trainable()
+        grad_input, param_grads = self._differentiate(output, grad_output.to(output.dtype), x, trainable)
         self.stats.replays += 1
         result = self._apply(param_grads, 0)
         result.grad_input = None if grad_input is None else to_host(grad_input.float())
@@ -291,9 +275,9 @@ class StageRuntime(StageWeights):
         joined = to_device(joined, self.device)
         x = joined if self.is_first else joined.detach().float().requires_grad_(True)
         with self.precision.context():
-            logits = self.module(x)
+            logits = self.weights.module(x)
             losses = [lm_loss(logits[r], to_device(items[i][1], self.device)) for r, i in zip(rows, good)]
-        grad_input, param_grads = self._differentiate(torch.stack(losses).sum(), None, x, self.trainable())
+        grad_input, param_grads = self._differentiate(torch.stack(losses).sum(), None, x, self.weights.trainable())
         grad_input = None if grad_input is None else to_host(grad_input.float())
         loss_values = torch.stack(losses).detach().float().cpu().tolist()
         self.stats.forwards += len(good)
@@ -326,7 +310,7 @@ class StageRuntime(StageWeights):
             raise problem
         inputs = to_device(inputs, self.device)
         with torch.no_grad(), self.precision.context():
-            output = self.module(inputs if self.is_first else inputs.detach().float())
+            output = self.weights.module(inputs if self.is_first else inputs.detach().float())
             self.stats.evaluations += 1
             if targets is not None and self.is_last:
                 return to_host(lm_loss(output, to_device(targets, self.device)).float())
@@ -350,35 +334,19 @@ class StageRuntime(StageWeights):
         if outlier:
             self.stats.dropped_outlier += count
             return BackwardResult(None, delay, False, outlier)
-        self.accumulator.add(self.trainable(), grads, delay, count, stashed)
+        trainable = self.weights.trainable()
+        self.accumulator.add(trainable, grads, delay, count, stashed)
         if self.accumulator.count >= self.spec.update.step_every:
-            self._step()
+            self.weights.step(self.accumulator.finish(trainable))  # p.grad: the (delay-weighted) mean
+            self.stats.steps += 1
         return BackwardResult(None, delay, True)
-
-    def _step(self) -> None:
-        opt = self.spec.optimizer
-        inputs = self.accumulator.finish(self.trainable())  # p.grad: the (delay-weighted) mean
-        params = [p for p in self.trainable().values() if p.grad is not None]
-        set_learning_rate(self.optimizer, opt, self.version, self.stage, self.spec.num_stages, delay=inputs.delay)
-        if opt.clip_norm > 0:
-            torch.nn.utils.clip_grad_norm_(params, opt.clip_norm)
-        tell_drift(self.optimizer, inputs)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        self.version += 1
-        self.stats.steps += 1
 
     # ---------------------------------------------------------------- housekeeping
     def expire(self, now: float | None = None) -> int:
         """Drop forward records whose backward never came (trainer died) or can no longer apply."""
         now = time.monotonic() if now is None else now
-        ttl = self.spec.update.pending_ttl_s
-        bound = self.spec.update.max_staleness
-        dead = [k for k, r in self.pending.items() if now - r.created_at > ttl or self.stats.steps - r.step > bound]
-        for key in dead:
-            self._forget(key)
-        self.stats.expired += len(dead)
-        return len(dead)
+        update = self.spec.update
+        return self.pending.expire(now, update.pending_ttl_s, self.stats.steps, update.max_staleness)
 
     def _observe(self, seconds: float, samples: int, weight: float, microbatches: int = 1) -> None:
         """Count a compute call; ``weight`` is the share of a full fwd+bwd it did (peer/stage/throughput.py)."""

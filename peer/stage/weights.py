@@ -1,5 +1,6 @@
-"""A stage's weights as the rest of the peer sees them: which train, where the base comes from, and
-their state for transfer, checkpoints and replica averaging (a part of :class:`StageRuntime`).
+"""A stage's weights as the rest of the peer sees them: the module and its optimizer, which parameters
+train, where the base comes from, the snapshot forwards are stashed on, and their state for transfer,
+checkpoints and replica averaging. :class:`StageWeights` is owned by the runtime (``runtime.weights``).
 
 Every method runs on the runtime's compute thread (``StageRuntime.run``), never beside a step.
 Only trainable parameters travel: all of them in full training, the adapters alone with LoRA (the
@@ -8,40 +9,41 @@ frozen base is loaded once, from the checkpoint or the swarm, and never copied, 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
+from swarmpipe.peer.model import build_stage, has_base_checkpoint
 from swarmpipe.peer.model.lora import is_adapter
-from swarmpipe.peer.optim import build_optimizer
-from swarmpipe.peer.stage.stash import stashed_versions, tensor_bytes
+from swarmpipe.peer.optim import StepInputs, build_optimizer, set_learning_rate, tell_drift
+from swarmpipe.peer.spec import RunSpec
+from swarmpipe.peer.stage.precision import Precision
+from swarmpipe.peer.stage.stash import PendingForwards, tensor_bytes
 from swarmpipe.peer.state.format import StageState, StateError, blend_into, capture, check_params, load_into
 from swarmpipe.peer.state.robust_aggregate import flatten, trust_radius
 
-if TYPE_CHECKING:
-    from swarmpipe.peer.spec import RunSpec
-    from swarmpipe.peer.stage.precision import Precision
-    from swarmpipe.peer.stage.stash import RuntimeStats
-
 
 class StageWeights:
-    """Mixed into :class:`~swarmpipe.peer.stage.runtime.StageRuntime`, which owns these fields."""
+    """The live weights of one stage, their optimizer and version (optimizer steps applied, or more after
+    a blend or an import)."""
 
-    spec: RunSpec
-    stage: int
-    device: torch.device
-    precision: Precision
-    module: torch.nn.Module
-    optimizer: torch.optim.Optimizer
-    version: int
-    awaiting_base: bool
-    pending: dict
-    stats: RuntimeStats
-    stash_bound_bytes: int
-    _snapshot: tuple[int, dict[str, torch.Tensor]] | None
-    _anchor: torch.Tensor | None = None  # see set_anchor
-
-    def _forget(self, microbatch_id: str) -> None: ...
+    def __init__(self, spec: RunSpec, stage: int, device: torch.device, precision: Precision, pending: PendingForwards):
+        self.spec = spec
+        self.stage = stage
+        self.device = device
+        self.precision = precision
+        # the forwards stashed on snapshots of these weights: bounded before a new snapshot, dropped when
+        # the weights are replaced (they can no longer be differentiated exactly)
+        self._pending = pending
+        # A stage whose weights come from a checkpoint is built empty (meta tensors, no memory) and gets its
+        # weights from load_base or import_state: the peer never holds a random copy next to the real one.
+        self.awaiting_base = has_base_checkpoint(spec)
+        self.module = build_stage(spec, stage, empty=self.awaiting_base)
+        self.module.train()
+        if not self.awaiting_base:
+            self._place()  # on the device, in the weights' dtype
+        self.optimizer = build_optimizer(self.module.named_parameters(), spec.optimizer, stage, spec.num_stages)
+        self.version = 0  # optimizer steps applied to the live weights (jumps when another replica's are blended in)
+        self._snapshot: tuple[int, dict[str, torch.Tensor]] | None = None  # see snapshot
+        self._anchor: torch.Tensor | None = None  # see set_anchor
 
     def trainable(self) -> dict[str, torch.nn.Parameter]:
         """The parameters that train (all of them, or only the LoRA adapters): what is stashed,
@@ -131,7 +133,7 @@ class StageWeights:
         same_kind = (state.meta.get("optimizer") or {}).get("kind") == self.spec.optimizer.kind
         load_into(self.module, self.optimizer if load_optimizer and same_kind else None, state)
         self.version = max(self.version, state.version)
-        self.pending.clear()  # forwards on the old weights can no longer be differentiated exactly
+        self._pending.clear()  # forwards on the old weights can no longer be differentiated exactly
         self._snapshot = None  # the next forward must see the new weights
 
     def blend(self, other: StageState, weight: float = 0.5, radius: float | None = None) -> float:
@@ -146,10 +148,10 @@ class StageWeights:
 
     # ---------------------------------------------------------------- where our own movement is measured from
     def set_anchor(self, vector: torch.Tensor | None = None) -> None:
-        """Measure our own movement from here on: ``vector`` (flat, as :func:`flatten` of :meth:`weights`, e.g. an
+        """Measure our own movement from here on: ``vector`` (flat, as :func:`flatten` of :meth:`copies`, e.g. an
         averaging round's aggregate) or the live weights. Set when serving starts, after each averaging round and
         after each pushed state: one flat fp32 copy of the trainable weights in host memory."""
-        self._anchor = flatten(self.weights()) if vector is None else vector
+        self._anchor = flatten(self.copies()) if vector is None else vector
 
     def anchor(self) -> torch.Tensor | None:
         return self._anchor
@@ -158,7 +160,7 @@ class StageWeights:
         """How far a pushed state may pull our weights: the averaging rounds' tau, from how far our own weights
         moved since the anchor (at least a floor relative to ||w||). Re-anchor after the push, so pushes one
         after another (one per sibling, but Sybils are cheap) each get only what we moved in between."""
-        return trust_radius(flatten(self.weights()), self._anchor)
+        return trust_radius(flatten(self.copies()), self._anchor)
 
     def export_params(self) -> StageState:
         """A copy of the trainable weights only (no optimizer state): what a sibling's averaging round pulls."""
@@ -173,7 +175,7 @@ class StageWeights:
         tensors = {f"param.{n}": p.detach().to("cpu", torch.float32, copy=True) for n, p in self.trainable().items()}
         return StageState(tensors, meta)
 
-    def weights(self) -> list[torch.Tensor]:
+    def copies(self) -> list[torch.Tensor]:
         """Copies of the trainable weights, in parameter order (the averaging round's starting point);
         zeros of their shapes while the weights have not arrived (the averager only needs the shapes then)."""
         return [
@@ -189,31 +191,31 @@ class StageWeights:
                 p.add_((a - b).to(p.device, p.dtype))
         self._snapshot = None
 
+    # ---------------------------------------------------------------- updates
+    def step(self, inputs: StepInputs) -> None:
+        """One optimizer step on the gradients accumulated in ``p.grad`` (``inputs``: the step's mean delay
+        and drift, from the runtime's accumulator); the version goes up by one."""
+        opt = self.spec.optimizer
+        params = [p for p in self.trainable().values() if p.grad is not None]
+        set_learning_rate(self.optimizer, opt, self.version, self.stage, self.spec.num_stages, delay=inputs.delay)
+        if opt.clip_norm > 0:
+            torch.nn.utils.clip_grad_norm_(params, opt.clip_norm)
+        tell_drift(self.optimizer, inputs)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.version += 1
+
     # ---------------------------------------------------------------- weight stashing
-    def _params_snapshot(self) -> dict[str, torch.Tensor]:
-        """Detached copies of the live weights at the current version, shared by its forwards."""
+    def snapshot(self) -> dict[str, torch.Tensor]:
+        """Detached copies of the live weights at the current version, shared by its forwards. Before a new
+        one the stash makes room for it (:meth:`PendingForwards.make_room`)."""
         if self._snapshot is None or self._snapshot[0] != self.version:
-            self._bound_stash()
+            self._pending.make_room(tensor_bytes(self.trainable().values()))
             params = {n: p.detach().clone().requires_grad_(True) for n, p in self.trainable().items()}
             self._snapshot = (self.version, params)
         return self._snapshot[1]
 
-    def stashed_versions(self) -> list[dict[str, torch.Tensor]]:
-        return stashed_versions(self.pending)
-
-    def stash_bytes(self) -> int:
-        return tensor_bytes(t for params in self.stashed_versions() for t in params.values())
-
-    def _bound_stash(self) -> None:
-        """Before a new snapshot: drop the oldest stashed versions' forwards while one more snapshot would
-        pass ``stash_bound_bytes`` (counted; their backwards come back unknown and the trainer replays
-        them on the live weights, so nothing is lost and memory never runs out)."""
-        if not self.stash_bound_bytes:
-            return
-        size = tensor_bytes(self.trainable().values())
-        versions = self.stashed_versions()
-        while versions and (len(versions) + 1) * size > self.stash_bound_bytes:
-            oldest = versions.pop(0)
-            for mb in [mb for mb, g in self.pending.items() if g.params is oldest]:
-                self._forget(mb)
-                self.stats.dropped_stash_bound += 1
+    def held_snapshot(self) -> dict[str, torch.Tensor] | None:
+        """The last snapshot :meth:`snapshot` took (its memory is held until a newer one replaces it, steps
+        in between or not); None once the weights were replaced, blended or corrected since."""
+        return None if self._snapshot is None else self._snapshot[1]

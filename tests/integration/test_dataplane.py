@@ -14,6 +14,7 @@ from swarmpipe.peer.spec import LimitsSpec, ModelSpec, RunSpec
 from swarmpipe.peer.stage.lifecycle import Lifecycle
 from swarmpipe.peer.stage.metrics import PeerMetrics
 from swarmpipe.peer.stage.server import StageServicer, start_server
+from swarmpipe.peer.stage.stash import PendingForwards, RuntimeStats
 from swarmpipe.peer.swarm.records import PeerState
 from swarmpipe.peer.transport.channels import ChannelPool
 from swarmpipe.peer.transport.streaming import StreamingCaller, data_frame_bytes, frames
@@ -28,9 +29,8 @@ class IdentityRuntime:
     def __init__(self, spec: RunSpec):
         self.spec, self.stage, self.version = spec, 1, 0
         self.is_first = self.is_last = False
-        self.stats = type("S", (), {"samples": 0, "dropped_stale": 0, "busy_seconds": 0.0, "steps": 0})()
-        self.pending: dict = {}
-        self.max_pending = 256
+        self.stats = RuntimeStats()
+        self.pending = PendingForwards(self.stats)  # the server's sibling waits and metrics read it
         self.device = torch.device("cpu")
         self._compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix="compute")
 
@@ -48,12 +48,6 @@ class IdentityRuntime:
 
     def throughput(self) -> float:
         return 0.0
-
-    def stashed_versions(self) -> list:
-        return []
-
-    def stash_bytes(self) -> int:
-        return 0
 
 
 async def _serve():

@@ -183,7 +183,7 @@ def _swarm_logits(ckpt_root: Path, base: Path, tokens: torch.Tensor) -> torch.Te
         runtime = StageRuntime(spec, stage)
         read_local_base(str(base), runtime)
         meta = json.loads((folder / f"stage-{stage}.json").read_text())
-        runtime.import_state(StageState(load_file(str(folder / f"stage-{stage}.safetensors")), meta))
+        runtime.weights.import_state(StageState(load_file(str(folder / f"stage-{stage}.safetensors")), meta))
         x = runtime.evaluate(x)
     return x
 

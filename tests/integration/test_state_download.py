@@ -53,13 +53,13 @@ async def donors():
 
 async def test_two_donors_at_different_versions_give_one_consistent_state(donors):
     addresses, runtimes = donors
-    digests = {r.export_state().digest(): r.version for r in runtimes}
+    digests = {r.weights.export_state().digest(): r.version for r in runtimes}
     assert len(digests) == 2
     state = await download_state(addresses, "dl", 0)
     assert state.digest() in digests, "a state mixed from two replicas was assembled"
     assert state.version == digests[state.digest()] == 5, "the newest donor's snapshot is preferred"
     joiner = StageRuntime(SPEC, 0)
-    joiner.import_state(state)
+    joiner.weights.import_state(state)
     assert joiner.version == 5
     joiner.close()
 
@@ -67,7 +67,7 @@ async def test_two_donors_at_different_versions_give_one_consistent_state(donors
 async def test_one_donor_alone_serves_every_shard_from_one_snapshot(donors):
     addresses, runtimes = donors
     state = await download_state([addresses[0], addresses[0], addresses[0]], "dl", 0)
-    assert state.digest() == runtimes[0].export_state().digest()
+    assert state.digest() == runtimes[0].weights.export_state().digest()
 
 
 async def test_a_joining_donor_is_refused_and_nothing_is_assembled():

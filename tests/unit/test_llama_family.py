@@ -34,9 +34,9 @@ def load_stages(spec, folder):
     stages = []
     for s in range(spec.num_stages):
         runtime = StageRuntime(spec, s)
-        assert runtime.awaiting_base
+        assert runtime.weights.awaiting_base
         read_local_base(str(folder), runtime)
-        assert not runtime.awaiting_base
+        assert not runtime.weights.awaiting_base
         stages.append(runtime)
     return stages
 
@@ -93,7 +93,9 @@ def test_one_synchronous_step_matches_transformers_and_torch_adamw(tmp_path):
     assert result.loss == pytest.approx(loss.item(), abs=1e-5)
     ours = {}
     for runtime in (first, last):
-        ours.update({(n if n.startswith("lm_head") else f"model.{n}"): p for n, p in runtime.trainable().items()})
+        ours.update(
+            {(n if n.startswith("lm_head") else f"model.{n}"): p for n, p in runtime.weights.trainable().items()}
+        )
     theirs = dict(model.named_parameters())
     assert set(ours) == set(theirs)
     for name, p in theirs.items():
@@ -107,7 +109,7 @@ def test_a_stage_reads_only_its_own_tensors(tmp_path):
     per_layer = 9  # q k v o, gate up down, two norms
     for stage, own in enumerate([1 + per_layer, 2 * per_layer, per_layer + 2]):
         runtime = StageRuntime(spec, stage)
-        assert all(p.is_meta for p in runtime.module.parameters())  # nothing allocated before the load
+        assert all(p.is_meta for p in runtime.weights.module.parameters())  # nothing allocated before the load
         ckpt = read_local_base(str(tmp_path), runtime)
         assert ckpt.tensors_read == own < total
 
@@ -130,11 +132,13 @@ def test_random_init_llama_from_inline_fields_is_identical_across_replicas():
         }
     )
     a, b = StageRuntime(spec, 1), StageRuntime(spec, 1)
-    assert not a.awaiting_base
-    for (name, p), q in zip(a.module.named_parameters(), b.module.parameters()):
+    assert not a.weights.awaiting_base
+    for (name, p), q in zip(a.weights.module.named_parameters(), b.weights.module.parameters()):
         assert torch.equal(p, q), name
     first = StageRuntime(spec, 0)
-    assert torch.equal(first.module.embed_tokens.weight, a.module.lm_head.weight)  # tied: the head starts equal
+    assert torch.equal(
+        first.weights.module.embed_tokens.weight, a.weights.module.lm_head.weight
+    )  # tied: the head starts equal
     out = a.evaluate(first.evaluate(torch.zeros(2, 8, dtype=torch.long)))
     assert out.shape == (2, 8, 50)
 
@@ -152,9 +156,12 @@ def test_lora_trains_only_adapters_and_transfers_only_them(tmp_path):
     )
     first, last = load_stages(spec, tmp_path)
     base_before = {
-        n: p.detach().clone() for r in (first, last) for n, p in r.module.named_parameters() if not p.requires_grad
+        n: p.detach().clone()
+        for r in (first, last)
+        for n, p in r.weights.module.named_parameters()
+        if not p.requires_grad
     }
-    adapters_before = {n: p.detach().clone() for r in (first, last) for n, p in r.trainable().items()}
+    adapters_before = {n: p.detach().clone() for r in (first, last) for n, p in r.weights.trainable().items()}
     assert all(".lora_" in n for n in adapters_before) and len(adapters_before) == 3 * 3 * 2
     gen = torch.Generator().manual_seed(2)
     for i in range(3):
@@ -163,25 +170,29 @@ def test_lora_trains_only_adapters_and_transfers_only_them(tmp_path):
         result = last.forward_backward(hidden, tokens[:, 1:])
         first.backward(f"mb-{i}", result.grad_input)
     for r in (first, last):
-        for n, p in r.module.named_parameters():
+        for n, p in r.weights.module.named_parameters():
             if not p.requires_grad:
                 assert torch.equal(p, base_before[n]), f"base weight {n} changed"
-    changed = [n for r in (first, last) for n, p in r.trainable().items() if not torch.equal(p, adapters_before[n])]
+    changed = [
+        n for r in (first, last) for n, p in r.weights.trainable().items() if not torch.equal(p, adapters_before[n])
+    ]
     assert len(changed) == len(adapters_before)
-    state = first.export_state()
+    state = first.weights.export_state()
     params = [k for k in state.tensors if k.startswith("param.")]
     assert params and all(".lora_" in k for k in params)
     state_bytes = sum(t.numel() * t.element_size() for t in state.tensors.values())
     base_bytes = sum(
-        t.numel() * t.element_size() for n, t in base_before.items() if n in dict(first.module.named_parameters())
+        t.numel() * t.element_size()
+        for n, t in base_before.items()
+        if n in dict(first.weights.module.named_parameters())
     )
     assert state_bytes < base_bytes / 2
     assert state.meta["base_digest"] == spec.model.base_digest
     fresh = StageRuntime(spec, 0)  # a joiner: base from the checkpoint, adapters and optimizer from the state
     read_local_base(str(tmp_path), fresh)
-    fresh.import_state(state)
-    for n, p in first.trainable().items():
-        assert torch.equal(p, fresh.trainable()[n])
+    fresh.weights.import_state(state)
+    for n, p in first.weights.trainable().items():
+        assert torch.equal(p, fresh.weights.trainable()[n])
 
 
 @pytest.mark.parametrize("optimizer", ["adamw", "nesterov", "basis_rotation"])
@@ -189,12 +200,12 @@ def test_every_optimizer_steps_lora_adapters(tmp_path, optimizer):
     make_tiny_llama(tmp_path, tie=False)
     spec = llama_spec(tmp_path, split=(3,), finetune={"method": "lora", "lora_rank": 2}, optimizer={"kind": optimizer})
     (stage,) = load_stages(spec, tmp_path)
-    before = {n: p.detach().clone() for n, p in stage.trainable().items()}
+    before = {n: p.detach().clone() for n, p in stage.weights.trainable().items()}
     tokens = torch.randint(0, spec.model.vocab_size, (2, SEQ + 1), generator=torch.Generator().manual_seed(3))
     for _ in range(2):
         result = stage.forward_backward(tokens[:, :-1], tokens[:, 1:])
         assert result.applied and result.loss > 0
-    assert any(not torch.equal(p, before[n]) for n, p in stage.trainable().items())
+    assert any(not torch.equal(p, before[n]) for n, p in stage.weights.trainable().items())
 
 
 def test_adapters_refuse_another_base(tmp_path):
@@ -206,7 +217,7 @@ def test_adapters_refuse_another_base(tmp_path):
     assert spec_b.model.base_digest != a.spec.model.base_digest
     b = load_stages(spec_b, tmp_path / "b")[0]
     with pytest.raises(ValueError, match="base"):
-        b.import_state(a.export_state())
+        b.weights.import_state(a.weights.export_state())
     with pytest.raises(CheckpointError, match="not this run's base"):
         read_local_base(str(tmp_path / "a"), StageRuntime(spec_b, 0))
 

@@ -62,9 +62,9 @@ def test_a_stage_drops_a_poisoned_gradient_and_keeps_its_weights() -> None:
     for i in range(30):
         out = rt.forward(f"mb{i}", torch.randint(0, 256, (2, 8), generator=gen))
         assert rt.backward(f"mb{i}", torch.randn(out.shape, generator=gen) * 0.01).applied
-    weights = [p.detach().clone() for p in rt.module.parameters()]
+    weights = [p.detach().clone() for p in rt.weights.module.parameters()]
     out = rt.forward("evil", torch.randint(0, 256, (2, 8), generator=gen))
     result = rt.backward("evil", torch.randn(out.shape, generator=gen) * 1e3)  # finite, 1e5x the usual
     assert not result.applied and result.dropped_reason.startswith("outlier gradient")
     assert rt.stats.dropped_outlier == 1
-    assert all(torch.equal(a, b) for a, b in zip(weights, rt.module.parameters()))
+    assert all(torch.equal(a, b) for a, b in zip(weights, rt.weights.module.parameters()))

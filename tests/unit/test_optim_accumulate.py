@@ -85,7 +85,7 @@ def test_runtime_feeds_the_measured_delays_to_the_running_average() -> None:
     outs = {mb: rt.forward(mb, tokens(spec, i)) for i, mb in enumerate("ABC")}
     delays = [rt.backward(mb, torch.randn_like(outs[mb])).delay for mb in "ABC"]
     assert delays == [0, 1, 2]
-    group = rt.optimizer.param_groups[0]
+    group = rt.weights.optimizer.param_groups[0]
     assert group["delay_seen"] == 3 and group["delay_avg"] == pytest.approx(1.0)
 
 
@@ -103,13 +103,13 @@ def test_runtime_weights_an_accumulated_step_by_delay() -> None:
 
     rt.accumulator.add = spy  # type: ignore[method-assign]
     seen_steps: list[dict] = []
-    step = rt.optimizer.step
+    step = rt.weights.optimizer.step
 
     def recording_step(*args, **kwargs):
-        seen_steps.append({n: p.grad.clone() for n, p in rt.module.named_parameters() if p.grad is not None})
+        seen_steps.append({n: p.grad.clone() for n, p in rt.weights.module.named_parameters() if p.grad is not None})
         return step(*args, **kwargs)
 
-    rt.optimizer.step = recording_step  # type: ignore[method-assign]
+    rt.weights.optimizer.step = recording_step  # type: ignore[method-assign]
     out = {mb: rt.forward(mb, hidden(spec, i)) for i, mb in enumerate("ABC")}
     for mb in "BCA":
         rt.backward(mb, torch.randn_like(out[mb]))
@@ -126,20 +126,20 @@ def test_runtime_tells_basis_rotation_the_drift_of_the_stashed_weights() -> None
     spec = make_spec(kind="basis_rotation", delay_compensation=0.5)
     rt = StageRuntime(spec, 0)
     told: list[dict] = []
-    set_drift = rt.optimizer.set_drift
+    set_drift = rt.weights.optimizer.set_drift
 
     def spy(drift):
         told.append({p: d.clone() for p, d in drift.items()})
         return set_drift(drift)
 
-    rt.optimizer.set_drift = spy  # type: ignore[method-assign]
+    rt.weights.optimizer.set_drift = spy  # type: ignore[method-assign]
     out_a, out_b = rt.forward("A", tokens(spec, 0)), rt.forward("B", tokens(spec, 1))
     snapshot = {n: t.detach().clone() for n, t in rt.pending["B"].params.items()}
     rt.backward("A", torch.randn_like(out_a))  # delay 0: the weights have not moved
     assert all(float(d.abs().max()) == 0 for d in told[0].values())
-    live_before_step = {n: p.detach().clone() for n, p in rt.trainable().items()}
+    live_before_step = {n: p.detach().clone() for n, p in rt.weights.trainable().items()}
     assert rt.backward("B", torch.randn_like(out_b)).delay == 1
-    params = rt.trainable()
+    params = rt.weights.trainable()
     assert set(told[1]) == set(params.values())
     for name, p in params.items():
         torch.testing.assert_close(told[1][p], live_before_step[name] - snapshot[name], msg=name)
@@ -150,7 +150,7 @@ def test_last_stage_and_replays_have_no_drift() -> None:
     spec = make_spec(kind="basis_rotation", delay_compensation=0.5)
     rt = StageRuntime(spec, 1)
     told: list[dict] = []
-    rt.optimizer.set_drift = lambda drift: told.append(dict(drift))  # type: ignore[method-assign]
+    rt.weights.optimizer.set_drift = lambda drift: told.append(dict(drift))  # type: ignore[method-assign]
     h = hidden(spec, 0)
     rt.forward_backward(h, tokens(spec, 1))
     rt.replay_backward(h, torch.randn(2, spec.model.seq_len, spec.model.vocab_size))

@@ -172,51 +172,51 @@ def _runtime():
 
 
 def _params(rt) -> torch.Tensor:
-    return flatten([p.detach() for p in rt.trainable().values()])
+    return flatten([p.detach() for p in rt.weights.trainable().values()])
 
 
 def test_a_pushed_state_is_clipped_to_our_own_movement_and_an_outlier_has_no_pull():
     rt = _runtime()
     start = _params(rt)
-    assert rt.push_radius() == pytest.approx(TAU_FLOOR * float(start.norm()))  # no anchor yet: the floor
-    rt.set_anchor()
+    assert rt.weights.push_radius() == pytest.approx(TAU_FLOOR * float(start.norm()))  # no anchor yet: the floor
+    rt.weights.set_anchor()
     with torch.no_grad():  # "training": we move by 5 % of ||w||
         step = torch.randn_like(start)
         step *= 0.05 * float(start.norm()) / float(step.norm())
-        for p, d in zip(rt.trainable().values(), unflatten(step, list(rt.trainable().values()))):
+        for p, d in zip(rt.weights.trainable().values(), unflatten(step, list(rt.weights.trainable().values()))):
             p.add_(d)
     before = _params(rt)
-    radius = rt.push_radius()
+    radius = rt.weights.push_radius()
     assert radius == pytest.approx(TAU_MULTIPLE * 0.05 * float(start.norm()), rel=1e-4)
-    far = rt.export_params()
+    far = rt.weights.export_params()
     far.tensors = {k: v * 3 for k, v in far.tensors.items()}  # 2 ||w|| away: 20 radii
-    scale = rt.blend(far, radius=radius)
+    scale = rt.weights.blend(far, radius=radius)
     moved = float((_params(rt) - before).norm())
     assert 0 < scale < 0.06 and moved == pytest.approx(0.5 * radius, rel=1e-3)
-    hostile = rt.export_params()
+    hostile = rt.weights.export_params()
     hostile.tensors = {k: v * 1e6 for k, v in hostile.tensors.items()}
     now = _params(rt)
-    assert rt.blend(hostile, radius=rt.push_radius()) == 0.0 and torch.equal(_params(rt), now)
-    rt.set_anchor()  # after a push: the next one gets only what we moved since
-    assert rt.push_radius() == pytest.approx(TAU_FLOOR * float(now.norm()))
+    assert rt.weights.blend(hostile, radius=rt.weights.push_radius()) == 0.0 and torch.equal(_params(rt), now)
+    rt.weights.set_anchor()  # after a push: the next one gets only what we moved since
+    assert rt.weights.push_radius() == pytest.approx(TAU_FLOOR * float(now.norm()))
 
 
 def test_a_near_pushed_state_is_blended_half_way_and_nan_is_refused():
     rt = _runtime()
     before = _params(rt)
-    near = rt.export_params()
+    near = rt.weights.export_params()
     near.tensors = {k: v + 1e-4 for k, v in near.tensors.items()}
-    assert rt.blend(near, radius=1.0) == 1.0
+    assert rt.weights.blend(near, radius=1.0) == 1.0
     assert torch.allclose(_params(rt), before + 0.5e-4, atol=1e-6)
     bad = StageState({k: v.clone() for k, v in near.tensors.items()}, dict(near.meta))
     next(iter(bad.tensors.values()))[0] = float("nan")
     with pytest.raises(StateError, match="NaN or Inf"):
-        rt.blend(bad, radius=1.0)
+        rt.weights.blend(bad, radius=1.0)
 
 
 def test_export_params_carries_only_the_trainable_weights():
     rt = _runtime()
-    state = rt.export_params()
-    assert set(state.tensors) == {f"param.{n}" for n in rt.trainable()}
+    state = rt.weights.export_params()
+    assert set(state.tensors) == {f"param.{n}" for n in rt.weights.trainable()}
     assert state.meta["params_only"] is True and state.meta["stage"] == 1
-    assert state.digest() == rt.export_state().digest()  # the same weights: the same digest
+    assert state.digest() == rt.weights.export_state().digest()  # the same weights: the same digest

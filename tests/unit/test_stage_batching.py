@@ -20,8 +20,8 @@ def hidden(spec, seed: int) -> torch.Tensor:
 
 def assert_same_accumulated_gradients(a: StageRuntime, b: StageRuntime) -> None:
     """Compared before the step: Adam's first step is about lr * sign(g), so weights would amplify float noise."""
-    ga = {n: p.grad for n, p in a.module.named_parameters()}
-    gb = {n: p.grad for n, p in b.module.named_parameters()}
+    ga = {n: p.grad for n, p in a.weights.module.named_parameters()}
+    gb = {n: p.grad for n, p in b.weights.module.named_parameters()}
     for name in ga:
         assert (ga[name] is None) == (gb[name] is None), name
         if ga[name] is not None:

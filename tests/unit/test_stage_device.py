@@ -75,17 +75,17 @@ def test_bf16_compute_trains_and_keeps_fp32_master_weights_and_a_fp32_wire():
     exact, mixed = fp32.forward_backward(x, targets), bf16.forward_backward(x, targets)
     assert mixed.applied and abs(mixed.loss - exact.loss) < 0.05
     assert mixed.grad_input.dtype == torch.float32  # the reply's codec sees float32 whatever computed it
-    assert all(p.dtype == torch.float32 for p in bf16.module.parameters())
+    assert all(p.dtype == torch.float32 for p in bf16.weights.module.parameters())
     assert bf16.evaluate(x, targets).dtype == torch.float32
 
 
 def test_bf16_weights_halve_the_stage_and_states_still_travel_in_fp32():
     runtime = StageRuntime(tiny_spec(precision={"compute": "bf16", "weights": "bf16"}), 0)
-    assert all(p.dtype == torch.bfloat16 for p in runtime.module.parameters())
+    assert all(p.dtype == torch.bfloat16 for p in runtime.weights.module.parameters())
     out = runtime.forward("mb", batch())
     assert out.dtype == torch.float32
     runtime.backward("mb", torch.ones_like(out))
-    state = runtime.export_state()
+    state = runtime.weights.export_state()
     assert all(t.dtype == torch.float32 for k, t in state.tensors.items() if k.startswith("param."))
 
 
@@ -103,7 +103,7 @@ def test_loss_scale_grows_shrinks_and_unscales():
 # ---------------------------------------------------------------- the stash bound
 def test_the_stash_bound_drops_the_oldest_version_counted_and_its_backward_replays():
     probe = StageRuntime(tiny_spec(), 0)
-    snapshot = sum(p.numel() * p.element_size() for p in probe.trainable().values())
+    snapshot = sum(p.numel() * p.element_size() for p in probe.weights.trainable().values())
     runtime = StageRuntime(tiny_spec(), 0, stash_bound_bytes=2 * snapshot)
     grad = torch.ones(2, 8, 16)
     runtime.forward("old", batch(0))  # version 0, kept out
@@ -112,10 +112,10 @@ def test_the_stash_bound_drops_the_oldest_version_counted_and_its_backward_repla
     runtime.forward("mid", batch(2))  # version 1, kept out
     runtime.forward("b", batch(3))
     runtime.backward("b", grad)  # -> version 2
-    assert len(runtime.stashed_versions()) == 2 and runtime.stats.dropped_stash_bound == 0
+    assert len(runtime.pending.versions()) == 2 and runtime.stats.dropped_stash_bound == 0
     runtime.forward("new", batch(4))  # a third snapshot would pass the bound: version 0 goes
     assert runtime.stats.dropped_stash_bound == 1
-    assert len(runtime.stashed_versions()) == 2 and runtime.stash_bytes() <= 2 * snapshot
+    assert len(runtime.pending.versions()) == 2 and runtime.pending.snapshot_bytes() <= 2 * snapshot
     with pytest.raises(UnknownMicrobatch):
         runtime.backward("old", grad)
     replayed = runtime.replay_backward(batch(0), grad)  # what the trainer does: nothing is lost
@@ -129,7 +129,7 @@ def test_the_stash_bound_drops_the_oldest_version_counted_and_its_backward_repla
 def test_a_cuda_stage_matches_the_cpu_stage():
     cpu = StageRuntime(tiny_spec(precision={"compute": "fp32"}), 1)
     gpu = StageRuntime(tiny_spec(precision={"compute": "fp32"}), 1, device="cuda")
-    assert all(p.device.type == "cuda" for p in gpu.module.parameters())
+    assert all(p.device.type == "cuda" for p in gpu.weights.module.parameters())
     x, targets = torch.randn(2, 8, 16), batch(1)
     a, b = cpu.forward_backward(x, targets), gpu.forward_backward(x, targets)
     assert b.grad_input.device.type == "cpu" and abs(a.loss - b.loss) < 1e-4

@@ -37,7 +37,7 @@ PROBE = textwrap.dedent(
     runtime = StageRuntime(spec, stage)
     ckpt = read_local_base(folder, runtime)
     peak = status_kb("VmHWM")
-    stage_bytes = sum(p.numel() * p.element_size() for p in runtime.module.parameters())
+    stage_bytes = sum(p.numel() * p.element_size() for p in runtime.weights.module.parameters())
     print(json.dumps({"before_kb": before, "peak_kb": peak, "stage_bytes": stage_bytes,
                       "tensors_read": ckpt.tensors_read}))
     """

@@ -16,9 +16,12 @@ from swarmpipe.peer.plan.memory import (
     MemoryEstimate,
     StageDoesNotFit,
     check_fits,
+    estimate_for_peer,
     estimate_stage_memory,
     shape_stage,
     stages_that_fit,
+    stages_that_fit_peer,
+    stash_bound_bytes,
 )
 from swarmpipe.peer.spec import spec_from_dict
 from swarmpipe.peer.stage.runtime import StageRuntime
@@ -84,15 +87,16 @@ def drive(rt: StageRuntime, warmup: int = 3, steady: int = 5) -> None:
 
 def held_bytes(rt: StageRuntime) -> dict[str, int]:
     """What the runtime holds now, by the estimate's parts (activations aside)."""
-    params = list(rt.module.parameters())
+    params = list(rt.weights.module.parameters())
     snapshots = {id(g.params): g.params for g in rt.pending.values() if g.params is not None}
-    if rt._snapshot is not None:
-        snapshots[id(rt._snapshot[1])] = rt._snapshot[1]
+    held = rt.weights.held_snapshot()
+    if held is not None:
+        snapshots[id(held)] = held
     return {
         "weights": sum(nbytes(p) for p in params),
         "grads": sum(nbytes(p.grad) for p in params if p.grad is not None),
         "optimizer": sum(
-            nbytes(v) for state in rt.optimizer.state.values() for v in state.values() if torch.is_tensor(v)
+            nbytes(v) for state in rt.weights.optimizer.state.values() for v in state.values() if torch.is_tensor(v)
         ),
         "stash": sum(nbytes(t) for snap in snapshots.values() for t in snap.values()),
         "versions": len(snapshots),
@@ -110,7 +114,7 @@ def measure_activations(rt: StageRuntime) -> int:
         return t
 
     outputs: list[torch.Tensor] = []
-    hook = rt.module.register_forward_hook(lambda _m, _i, out: outputs.append(out))
+    hook = rt.weights.module.register_forward_hook(lambda _m, _i, out: outputs.append(out))
     x = stage_input(rt)
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         if rt.is_last:
@@ -120,9 +124,10 @@ def measure_activations(rt: StageRuntime) -> int:
     hook.remove()
     for t in (x, outputs[0]):
         saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-    weights = [*rt.module.parameters(), *rt.module.buffers()]
-    if rt._snapshot is not None:
-        weights += list(rt._snapshot[1].values())
+    weights = [*rt.weights.module.parameters(), *rt.weights.module.buffers()]
+    held = rt.weights.held_snapshot()
+    if held is not None:
+        weights += list(held.values())
     for w in weights:
         saved.pop(w.untyped_storage().data_ptr(), None)
     return sum(saved.values())
@@ -271,3 +276,22 @@ def test_estimate_parts_sum_to_the_total():
     est = MemoryEstimate(weights=1, grads=2, optimizer=3, stash=4, activations=5)
     assert est.total_bytes == 15
     assert [name for name, _ in est.biggest(2)] == ["activations", "stash"]
+
+
+def test_a_peer_plans_with_the_trainers_in_flight_its_weight_dtype_and_its_autocast():
+    spec = make_spec("llama")
+    plain, autocast = estimate_for_peer(spec, 1, autocast=False), estimate_for_peer(spec, 1, autocast=True)
+    assert plain == estimate_stage_memory(spec, 1, 2 * spec.num_stages, weights_bytes=4, activation_bytes=4)
+    assert autocast.activations * 2 == plain.activations and autocast.weights == plain.weights
+    free = 10 * plain.total_bytes
+    assert stages_that_fit_peer(spec, free, autocast=False) == stages_that_fit(spec, free, 2 * spec.num_stages)
+    spec.precision.weights = "bf16"
+    assert estimate_for_peer(spec, 1, autocast=True).weights * 2 == plain.weights
+
+
+def test_the_stash_bound_is_the_specs_else_half_the_budget_where_memory_is_bounded():
+    spec = make_spec("bytegpt")
+    assert stash_bound_bytes(spec, 1 << 30, bounded=True) == 1 << 29
+    assert stash_bound_bytes(spec, 1 << 30, bounded=False) == 0  # a CPU peer without --max-memory-mb
+    spec.update.max_stash_mb = 64
+    assert stash_bound_bytes(spec, 1 << 30, bounded=False) == 64 << 20

@@ -58,7 +58,7 @@ def perturb(module: PipelineStage) -> None:
 
 def runtime(spec: RunSpec, stage: int) -> StageRuntime:
     rt = StageRuntime(spec, stage)
-    perturb(rt.module)
+    perturb(rt.weights.module)
     return rt
 
 
@@ -74,16 +74,16 @@ def hidden(spec: RunSpec, seed: int = 0) -> torch.Tensor:
 
 
 def record_step_grads(rt: StageRuntime) -> list[dict[str, torch.Tensor]]:
-    """Capture the gradients the optimizer sees at every step (names as in rt.module)."""
+    """Capture the gradients the optimizer sees at every step (names as in rt.weights.module)."""
     seen: list[dict[str, torch.Tensor]] = []
-    step = rt.optimizer.step
-    names = {id(p): n for n, p in rt.module.named_parameters()}
+    step = rt.weights.optimizer.step
+    names = {id(p): n for n, p in rt.weights.module.named_parameters()}
 
     def recording_step(*args, **kwargs):
-        seen.append({names[id(p)]: p.grad.clone() for p in rt.module.parameters() if p.grad is not None})
+        seen.append({names[id(p)]: p.grad.clone() for p in rt.weights.module.parameters() if p.grad is not None})
         return step(*args, **kwargs)
 
-    rt.optimizer.step = recording_step  # type: ignore[method-assign]
+    rt.weights.optimizer.step = recording_step  # type: ignore[method-assign]
     return seen
 
 
@@ -98,7 +98,7 @@ def test_two_stage_pipeline_matches_whole_model() -> None:
     spec = make_spec(2, lr=0.0)
     s0, s1 = runtime(spec, 0), runtime(spec, 1)
     g0, g1 = record_step_grads(s0), record_step_grads(s1)
-    before0, before1 = weights(s0.module), weights(s1.module)
+    before0, before1 = weights(s0.weights.module), weights(s1.weights.module)
 
     whole = PipelineStage(make_spec(1), 0)
     perturb(whole)
@@ -116,8 +116,8 @@ def test_two_stage_pipeline_matches_whole_model() -> None:
         loss.backward()
         assert r1.loss == pytest.approx(loss.item(), rel=1e-6)
         ref = {n: p.grad for n, p in whole.named_parameters()}
-        got = {canonical(s0.module, n): g for n, g in g0[i].items()}
-        got.update({canonical(s1.module, n): g for n, g in g1[i].items()})
+        got = {canonical(s0.weights.module, n): g for n, g in g0[i].items()}
+        got.update({canonical(s1.weights.module, n): g for n, g in g1[i].items()})
         assert set(got) == set(ref)
         for name, g in ref.items():
             assert g.abs().max() > 0, name
@@ -125,9 +125,9 @@ def test_two_stage_pipeline_matches_whole_model() -> None:
 
     # lr = 0: the weights did not move although three steps were taken
     assert s0.version == s1.version == 3
-    for n, w in weights(s0.module).items():
+    for n, w in weights(s0.weights.module).items():
         assert torch.equal(w, before0[n]), n
-    for n, w in weights(s1.module).items():
+    for n, w in weights(s1.weights.module).items():
         assert torch.equal(w, before1[n]), n
 
 
@@ -156,7 +156,7 @@ def test_weight_stashing_gradient_at_forward_version(stage: int, updates: int) -
     rt = runtime(spec, stage)
     seen = record_step_grads(rt)
     x = data(spec)[0] if stage == 0 else hidden(spec)
-    old = copy.deepcopy(rt.module)  # the weights the forward will use
+    old = copy.deepcopy(rt.weights.module)  # the weights the forward will use
 
     out = rt.forward("A", x)
     for i in range(updates):  # other micro-batches update the live weights meanwhile
@@ -164,10 +164,10 @@ def test_weight_stashing_gradient_at_forward_version(stage: int, updates: int) -
         oi = rt.forward(f"B{i}", xi)
         assert rt.backward(f"B{i}", torch.randn_like(oi)).applied
     assert rt.version == updates
-    assert any(not torch.equal(p, old.get_parameter(n)) for n, p in rt.module.named_parameters())
+    assert any(not torch.equal(p, old.get_parameter(n)) for n, p in rt.weights.module.named_parameters())
 
     g = torch.randn_like(out)
-    live = copy.deepcopy(rt.module)  # the live weights when the backward arrives
+    live = copy.deepcopy(rt.weights.module)  # the live weights when the backward arrives
     result = rt.backward("A", g)
     assert result.applied and result.delay == updates
     assert rt.stats.delays[updates] == 1 and rt.stats.delays[0] == updates
@@ -193,12 +193,12 @@ def test_stale_gradient_dropped() -> None:
     for i in range(3):
         oi = rt.forward(f"B{i}", data(spec, seed=i + 1)[0])
         rt.backward(f"B{i}", torch.randn_like(oi))
-    before = weights(rt.module)
+    before = weights(rt.weights.module)
     result = rt.backward("A", torch.randn_like(out))
     assert result.applied is False and result.delay == 3
     assert "stale" in result.dropped_reason and "3" in result.dropped_reason and "2" in result.dropped_reason
     assert rt.stats.dropped_stale == 1 and rt.version == 3
-    for n, w in weights(rt.module).items():
+    for n, w in weights(rt.weights.module).items():
         assert torch.equal(w, before[n]), n
     assert "A" not in rt.pending
 
@@ -221,14 +221,14 @@ def test_non_finite_gradient_dropped(bad: float) -> None:
     out = rt.forward("A", hidden(spec))
     g = torch.randn_like(out)
     g[0, 0, 0] = bad
-    before = weights(rt.module)
+    before = weights(rt.weights.module)
     result = rt.backward("A", g)
     assert result.applied is False and result.dropped_reason == "non-finite gradient"
     assert result.grad_input is not None  # still returned to the caller
     assert rt.stats.dropped_nonfinite == 1 and rt.version == 0
-    for n, w in weights(rt.module).items():
+    for n, w in weights(rt.weights.module).items():
         assert torch.equal(w, before[n]), n
-    assert all(p.grad is None for p in rt.module.parameters())  # nothing accumulated
+    assert all(p.grad is None for p in rt.weights.module.parameters())  # nothing accumulated
 
 
 def test_unknown_microbatch() -> None:
@@ -295,9 +295,9 @@ def test_averaging_in_a_newer_replica_does_not_make_held_forwards_stale() -> Non
 
     spec = make_spec(2, lr=1e-3, max_staleness=2)
     rt, ahead = runtime(spec, 1), runtime(spec, 1)
-    ahead.version = 500  # a replica that has been training much longer
+    ahead.weights.version = 500  # a replica that has been training much longer
     out = rt.forward("held", hidden(spec))
-    rt.blend(ahead.export_state())
+    rt.weights.blend(ahead.weights.export_state())
     assert rt.version == 500
     assert rt.expire() == 0 and "held" in rt.pending
     result = rt.backward("held", torch.randn_like(out))
@@ -336,8 +336,8 @@ def test_replay_backward() -> None:
     for n in gb[0]:
         torch.testing.assert_close(ga[0][n], gb[0][n], msg=n)
     assert a.version == b.version == 1
-    for n, w in weights(a.module).items():
-        torch.testing.assert_close(w, weights(b.module)[n], msg=n)
+    for n, w in weights(a.weights.module).items():
+        torch.testing.assert_close(w, weights(b.weights.module)[n], msg=n)
     with pytest.raises(ValueError, match="does not match output"):
         a.replay_backward(x, torch.zeros(1, 1, 1))
     assert out.shape == g.shape
@@ -386,7 +386,7 @@ def test_step_every_accumulates_and_averages() -> None:
     rt = runtime(spec, 1)
     ref = runtime(make_spec(2, lr=0.0), 1)  # same weights, gradients of each micro-batch alone
     seen, ref_seen = record_step_grads(rt), record_step_grads(ref)
-    before = weights(rt.module)
+    before = weights(rt.weights.module)
     for i in range(3):
         h, (_, y) = hidden(spec, seed=i), data(spec, seed=i)
         r = rt.forward_backward(h, y)
@@ -394,13 +394,13 @@ def test_step_every_accumulates_and_averages() -> None:
         assert r.applied
         assert rt.version == (1 if i == 2 else 0)
         if i < 2:
-            assert not seen and all(torch.equal(w, before[n]) for n, w in weights(rt.module).items())
+            assert not seen and all(torch.equal(w, before[n]) for n, w in weights(rt.weights.module).items())
     assert rt.stats.steps == 1 and len(seen) == 1 and len(ref_seen) == 3
     for n, g in seen[0].items():
         mean = sum(step[n] for step in ref_seen) / 3
         torch.testing.assert_close(g, mean, rtol=1e-5, atol=1e-8, msg=n)
-    assert any(not torch.equal(w, before[n]) for n, w in weights(rt.module).items())
-    assert all(p.grad is None for p in rt.module.parameters())
+    assert any(not torch.equal(w, before[n]) for n, w in weights(rt.weights.module).items())
+    assert all(p.grad is None for p in rt.weights.module.parameters())
 
 
 def test_dropped_gradient_does_not_count_towards_step_every() -> None:
@@ -443,10 +443,10 @@ def test_snapshot_shared_within_a_version() -> None:
 def test_other_optimizers_step(kind: str) -> None:
     spec = make_spec(2, lr=1e-2, kind=kind)
     rt = runtime(spec, 1)
-    before = weights(rt.module)
+    before = weights(rt.weights.module)
     r = rt.forward_backward(hidden(spec), data(spec)[1])
     assert r.applied and rt.version == 1
-    assert any(not torch.equal(w, before[n]) for n, w in weights(rt.module).items())
+    assert any(not torch.equal(w, before[n]) for n, w in weights(rt.weights.module).items())
 
 
 def test_without_stashing_the_backward_differentiates_the_live_weights():
@@ -469,14 +469,14 @@ def test_without_stashing_the_backward_differentiates_the_live_weights():
     out_new = rt.forward("new", x_new)
     rt.backward("new", torch.randn(out_new.shape, generator=gen))  # one update: the weights moved
     assert rt.version == 1
-    live = {n: p.detach().clone().requires_grad_(True) for n, p in rt.module.named_parameters()}
+    live = {n: p.detach().clone().requires_grad_(True) for n, p in rt.weights.module.named_parameters()}
     grad_out = torch.randn(out_old.shape, generator=gen)
     expected = torch.autograd.grad(
-        functional_call(rt.module, live, (x_old,)), list(live.values()), grad_out, allow_unused=True
+        functional_call(rt.weights.module, live, (x_old,)), list(live.values()), grad_out, allow_unused=True
     )
     captured = {}
-    rt.optimizer.step = lambda: captured.update(
-        {n: p.grad.clone() for n, p in rt.module.named_parameters() if p.grad is not None}
+    rt.weights.optimizer.step = lambda: captured.update(
+        {n: p.grad.clone() for n, p in rt.weights.module.named_parameters() if p.grad is not None}
     )
     result = rt.backward("old", grad_out)
     assert result.applied and result.delay == 1

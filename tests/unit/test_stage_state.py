@@ -42,14 +42,14 @@ def _trained_runtime(kind: str = "adamw", stage: int = 1, steps: int = 3) -> Sta
 
 
 def _same_weights(a: StageRuntime, b: StageRuntime) -> bool:
-    return all(torch.equal(p, q) for p, q in zip(a.module.parameters(), b.module.parameters()))
+    return all(torch.equal(p, q) for p, q in zip(a.weights.module.parameters(), b.weights.module.parameters()))
 
 
 @pytest.mark.parametrize("kind", ["adamw", "nesterov", "basis_rotation"])
 def test_export_import_round_trip_continues_identically(kind: str):
     source = _trained_runtime(kind)
     fresh = StageRuntime(source.spec, source.stage)
-    fresh.import_state(source.export_state())
+    fresh.weights.import_state(source.weights.export_state())
     assert fresh.version == source.version == 3
     assert _same_weights(source, fresh)
     x = torch.randn(2, 16, 32)
@@ -60,7 +60,7 @@ def test_export_import_round_trip_continues_identically(kind: str):
 
 
 def test_chunks_round_trip_in_shards_and_digest():
-    state = _trained_runtime().export_state()
+    state = _trained_runtime().weights.export_state()
     shards = [from_chunks(to_chunks(state, shard, 3)) for shard in range(3)]
     joined = assemble(shards)
     assert set(joined.tensors) == set(state.tensors)
@@ -69,57 +69,57 @@ def test_chunks_round_trip_in_shards_and_digest():
 
 
 def test_stream_cut_off_midway_fails_cleanly():
-    chunks = to_chunks(_trained_runtime().export_state())
+    chunks = to_chunks(_trained_runtime().weights.export_state())
     with pytest.raises(StateError, match="ended after"):
         from_chunks(chunks[: len(chunks) // 2])
     with pytest.raises(StateError, match="does not start with metadata"):
         from_chunks(chunks[1:])
     with pytest.raises(StateError, match="missing"):
-        assemble([from_chunks(to_chunks(_trained_runtime().export_state(), 0, 2))])
+        assemble([from_chunks(to_chunks(_trained_runtime().weights.export_state(), 0, 2))])
 
 
 def test_forged_chunk_rejected():
-    chunks = to_chunks(_trained_runtime().export_state())
+    chunks = to_chunks(_trained_runtime().weights.export_state())
     chunks[1].name = "param.evil"
     with pytest.raises(StateError, match="not listed"):
         from_chunks(chunks)
-    chunks = to_chunks(_trained_runtime().export_state())
+    chunks = to_chunks(_trained_runtime().weights.export_state())
     chunks[0].metadata_json = "{not json"
     with pytest.raises(StateError, match="not JSON"):
         from_chunks(chunks)
 
 
 def test_import_refuses_wrong_stage_and_shapes():
-    state = _trained_runtime(stage=1).export_state()
+    state = _trained_runtime(stage=1).weights.export_state()
     other = StageRuntime(state_spec := _trained_runtime().spec, 0)
     with pytest.raises(StateError, match="stage 1"):
-        other.import_state(state)
+        other.weights.import_state(state)
     bad = StageState(dict(state.tensors), dict(state.meta))
     name = next(k for k in bad.tensors if k.startswith("param."))
     bad.tensors[name] = torch.zeros(3)
     with pytest.raises(StateError, match="shape"):
-        StageRuntime(state_spec, 1).import_state(bad)
+        StageRuntime(state_spec, 1).weights.import_state(bad)
 
 
 def test_average_into_blends_weights():
     a, b = _trained_runtime(steps=1), _trained_runtime(steps=4)
-    expected = [(p + q) / 2 for p, q in zip(a.module.parameters(), b.module.parameters())]
-    a.blend(b.export_state())
-    assert all(torch.allclose(p, e) for p, e in zip(a.module.parameters(), expected))
+    expected = [(p + q) / 2 for p, q in zip(a.weights.module.parameters(), b.weights.module.parameters())]
+    a.weights.blend(b.weights.export_state())
+    assert all(torch.allclose(p, e) for p, e in zip(a.weights.module.parameters(), expected))
     assert a.version == 4
 
 
 def test_checkpoint_store_round_trip_and_carry_over(tmp_path):
     store = CheckpointStore(tmp_path, num_stages=2)
     assert store.manifest() is None and store.load(0) is None
-    first = _trained_runtime(stage=0).export_state()
-    second = _trained_runtime(stage=1).export_state()
+    first = _trained_runtime(stage=0).weights.export_state()
+    second = _trained_runtime(stage=1).weights.export_state()
     m1 = store.save({0: first, 1: second})
     assert m1["step"] == 1 and m1["stages"]["0"]["digest"] == first.digest()
     loaded = store.load(1)
     assert loaded.digest() == second.digest() and loaded.version == second.version
     # Only stage 1 changes: stage 0 is carried over from the previous checkpoint.
-    newer = _trained_runtime(stage=1, steps=5).export_state()
+    newer = _trained_runtime(stage=1, steps=5).weights.export_state()
     m2 = store.save({1: newer})
     assert m2["step"] == 2 and m2["stages"]["0"] == m1["stages"]["0"]
     assert store.load(0).digest() == first.digest() and store.load(1).version == 5
@@ -128,13 +128,13 @@ def test_checkpoint_store_round_trip_and_carry_over(tmp_path):
     again = CheckpointStore(tmp_path, num_stages=2)
     assert again.manifest()["step"] == 2
     restored = StageRuntime(_trained_runtime().spec, 1)
-    restored.import_state(again.load(1))
+    restored.weights.import_state(again.load(1))
     assert restored.version == 5
 
 
 def test_checkpoint_store_keeps_three_and_ignores_half_written(tmp_path):
     store = CheckpointStore(tmp_path, num_stages=2)
-    state = _trained_runtime(stage=0, steps=1).export_state()
+    state = _trained_runtime(stage=0, steps=1).weights.export_state()
     for _ in range(5):
         store.save({0: state})
     assert sorted(p.name for p in tmp_path.glob("ckpt-*")) == ["ckpt-000003", "ckpt-000004", "ckpt-000005"]
@@ -145,8 +145,8 @@ def test_checkpoint_store_keeps_three_and_ignores_half_written(tmp_path):
 
 def test_shards_of_different_versions_are_never_joined():
     """Two donors at different versions: each shard is valid alone, the mix is refused."""
-    older = _trained_runtime(steps=2).export_state()
-    newer = _trained_runtime(steps=4).export_state()
+    older = _trained_runtime(steps=2).weights.export_state()
+    newer = _trained_runtime(steps=4).weights.export_state()
     mixed = [from_chunks(to_chunks(older, 0, 2)), from_chunks(to_chunks(newer, 1, 2))]
     with pytest.raises(MixedState, match="2 different snapshots"):
         assemble(mixed)
@@ -154,7 +154,7 @@ def test_shards_of_different_versions_are_never_joined():
 
 
 def test_weights_that_do_not_hash_to_the_announced_digest_are_refused():
-    state = _trained_runtime().export_state()
+    state = _trained_runtime().weights.export_state()
     chunks = to_chunks(state)
     for chunk in chunks[1:]:
         if chunk.name.startswith("param."):
@@ -166,6 +166,6 @@ def test_weights_that_do_not_hash_to_the_announced_digest_are_refused():
 
 
 def test_lossy_state_codec_announces_the_digest_of_what_arrives():
-    state = _trained_runtime().export_state()
+    state = _trained_runtime().weights.export_state()
     joined = assemble([from_chunks(to_chunks(state, s, 2, codec="fp16")) for s in range(2)])
     assert joined.digest() == state.wire_digest("fp16") != state.digest()

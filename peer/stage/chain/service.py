@@ -15,14 +15,17 @@ Every check of ``Forward`` applies before any work (header, draining, input tens
 route's and the targets'. A chain that cannot go on (no candidate of some later stage answered) is answered
 with ABORTED, ``chain broke at stage j (unreachable|failed): ...``, after this peer dropped its pending forward;
 the trainer takes that hop itself (peer/trainer/chain.py). Each micro-batch runs once per peer, whoever asks
-again (:mod:`chain_results`). Gradients this peer sends upstream in an 8-bit codec carry error feedback, kept by
-this peer (the link's sender).
+again (:mod:`chain_results`). Gradients this peer sends upstream in a codec that takes error feedback (the
+codec registry's ``error_feedback``: the 8-bit ones) carry it, kept by this peer (the link's sender).
+:class:`ChainService` serves these RPCs for :class:`~swarmpipe.peer.stage.server.StageServicer` on the
+serving core the other services share.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Awaitable, Callable
 
 import grpc
 import torch
@@ -40,6 +43,9 @@ from swarmpipe.peer.stage.request_checks import (
     reply_codec,
 )
 from swarmpipe.peer.stage.runtime import UnknownMicrobatch
+from swarmpipe.peer.stage.service.core import ServingCore
+from swarmpipe.peer.swarm.records import StageRecord
+from swarmpipe.peer.transport import codecs
 from swarmpipe.peer.transport.chain_protocol import MAX_HOP_TIMEOUT_S, ChainBroken
 from swarmpipe.peer.transport.codec_policy import ErrorFeedback
 from swarmpipe.peer.transport.error_contract import caller_key
@@ -47,75 +53,67 @@ from swarmpipe.peer.transport.wire import decode, encode_parts
 from swarmpipe.protos import swarm_pb2
 
 log = logging.getLogger("swarmpipe.server")
-LOSSY_8BIT = ("uint8", "blockwise8")
 
 
-class ChainState:
-    """What a servicer keeps for chained calls: its link to next stages, results, the DHT's hops, residuals."""
+class ChainService:
+    """``Chain``, ``ChainHandover`` and ``ChainResume`` on the runtime the core serves. It keeps its link to
+    next stages, each micro-batch's result, the parked segment ends and the residuals of error feedback.
 
-    def __init__(self, servicer) -> None:
-        self.link = ChainLink(servicer.spec)
+    ``members`` reads a stage's signed records (``SwarmDHT.stage_peers``): the only hops a chained call may
+    dial (None: nothing is announced to us, dial nobody)."""
+
+    def __init__(self, core: ServingCore, members: Callable[[int], Awaitable[dict[str, StageRecord]]] | None = None):
+        self.core = core
+        self.link = ChainLink(core.spec)
         self.results = ChainResults()
         self.handovers = Handovers()
-        self.announced = AnnouncedHops(servicer.chain_members)
+        self.announced = AnnouncedHops(members)
         self.error_feedback = ErrorFeedback()
-
-
-class ChainRPCs:
-    """Mixed into :class:`~swarmpipe.peer.stage.server.StageServicer` (which provides the compute plumbing)."""
-
-    # stage -> that stage's signed records (``SwarmDHT.stage_peers``); set by the daemon. None: dial nobody.
-    chain_members = None
-    _chain_state: ChainState | None = None
-
-    @property
-    def chain(self) -> ChainState:
-        if self._chain_state is None:
-            self._chain_state = ChainState(self)
-        return self._chain_state
 
     async def Chain(
         self, request: swarm_pb2.ChainRequest, context: grpc.aio.ServicerContext, sink: dict | None = None
     ) -> swarm_pb2.ChainResponse:
+        core = self.core
+
         async def handle() -> swarm_pb2.ChainResponse:
             started = time.perf_counter()
-            runtime = self.runtime
-            check_header(self.spec, runtime.stage, request.run_id, request.stage, request.microbatch_id)
-            self._require_accepting()
-            route, end = check_route(self.spec, runtime.stage, request)
-            reply = reply_codec(request.reply_codec, self.spec.compression.gradients)
-            self._count_bytes(request.input, incoming=True)
-            x = decode_stage_input(self.spec, runtime.is_first, request.input)
-            targets = decode_targets(self.spec, request.targets, x.shape[0], x.shape[1])
+            runtime, spec = core.runtime, core.spec
+            check_header(spec, runtime.stage, request.run_id, request.stage, request.microbatch_id)
+            core.require_accepting()
+            route, end = check_route(spec, runtime.stage, request)
+            reply = reply_codec(request.reply_codec, spec.compression.gradients)
+            core.count_bytes(request.input, incoming=True)
+            x = decode_stage_input(spec, runtime.is_first, request.input)
+            targets = decode_targets(spec, request.targets, x.shape[0], x.shape[1])
             caller = caller_key(context.peer() or "")
             mb = pending_key(caller, request.microbatch_id, request.ticket)
             hop_timeout = float(request.hop_timeout_s)
 
             async def work() -> ChainDone:
-                return await self._chain_work(request, mb, x, targets, route, hop_timeout, end)
+                return await self._work(request, mb, x, targets, route, hop_timeout, end)
 
             try:
-                done = await self.chain.results.once(result_key(request.ticket, request.microbatch_id), caller, work)
+                done = await self.results.once(result_key(request.ticket, request.microbatch_id), caller, work)
             except ChainBroken as e:
-                self.metrics.errors.labels("chain", "broken").inc()
+                core.metrics.errors.labels("chain", "broken").inc()
                 await context.abort(grpc.StatusCode.ABORTED, e.detail())
             response = swarm_pb2.ChainResponse(loss=done.loss, version=done.version, stages=done.stages)
             if done.grad_input is not None:
-                response.grad_input.CopyFrom(self._chain_reply(done.grad_input, reply, sink, caller))
+                response.grad_input.CopyFrom(self._reply(done.grad_input, reply, sink, caller))
             response.handler_seconds = time.perf_counter() - started  # the caller times its link without it
             return response
 
-        return await self._serve("chain", context, handle)
+        return await core.serve("chain", context, handle)
 
-    def _chain_reply(self, grad: torch.Tensor, codec: str, sink: dict | None, caller: str) -> swarm_pb2.Tensor:
-        """The input gradient in the caller's codec; an 8-bit one carries what quantization lost last time."""
-        if codec not in LOSSY_8BIT:
-            return self._encode(grad, codec, sink, "grad_input")
-        msg = self.chain.error_feedback.encode((caller, tuple(grad.shape)), grad, codec)
-        self._count_bytes(msg, incoming=False)
+    def _reply(self, grad: torch.Tensor, codec: str, sink: dict | None, caller: str) -> swarm_pb2.Tensor:
+        """The input gradient in the caller's codec; one that takes error feedback carries what it lost last time."""
+        if not codecs.get(codec).error_feedback:
+            return self.core.encode(grad, codec, sink, "grad_input")
+        msg = self.error_feedback.encode((caller, tuple(grad.shape)), grad, codec)
+        self.core.count_bytes(msg, incoming=False)
         return msg
 
-    async def _chain_work(
+    async def _work(
         self,
         request: swarm_pb2.ChainRequest,
         mb: str,
@@ -125,54 +123,65 @@ class ChainRPCs:
         hop_timeout: float,
         end: int,
     ) -> ChainDone:
-        runtime = self.runtime
+        core = self.core
+        runtime = core.runtime
         shape_key = (tuple(x.shape[1:]), x.dtype)
         if runtime.is_last:
-            result = await self._queued(
-                "forward_backward", lambda: self.forward_backwards.submit((x, targets), shape_key)
+            result = await core.queued(
+                "forward_backward", lambda: core.forward_backwards.submit((x, targets), shape_key)
             )
-            self._after_backward(result)
+            core.after_backward(result)
             here = self._stage_result(result.applied, result.dropped_reason, 0)
             return ChainDone(result.grad_input, float(result.loss or 0.0), [here], runtime.version)
-        out, siblings = await self._queued("forward", lambda: self.forwards.submit((mb, x), key=shape_key))
-        self.siblings.remember(mb, siblings)
+        out, siblings = await core.queued("forward", lambda: core.forwards.submit((mb, x), key=shape_key))
+        core.siblings.remember(mb, siblings)
         try:
             if runtime.stage == end:  # the trainer relays the next hop: it takes our output from here
-                answer = await self._chain_park(request, out, hop_timeout)
+                answer = await self._park(request, out, hop_timeout)
             else:
-                answer = await self._chain_next(request, out, targets, route, hop_timeout, end)
+                answer = await self._call_next(request, out, targets, route, hop_timeout, end)
         except BaseException:
             # nothing comes back for this forward: drop it now rather than when the stash expires
-            runtime.submit(lambda: runtime._forget(mb))
+            runtime.submit(lambda: runtime.pending.forget(mb))
             raise
-        await self.siblings.wait(mb)
+        await core.siblings.wait(mb)
         replays = 0
         try:
-            result = await self._queued("backward", lambda: self.backwards.submit((mb, answer.grad)))
+            result = await core.queued("backward", lambda: core.backwards.submit((mb, answer.grad)))
         except UnknownMicrobatch:  # the stash bound dropped our forward meanwhile: recompute from the input
-            result = await self._compute("backward", lambda: runtime.replay_backward(x, answer.grad))
+            result = await core.compute("backward", lambda: runtime.replay_backward(x, answer.grad))
             replays = 1
-        self._after_backward(result)
+        core.after_backward(result)
         here = self._stage_result(result.applied, result.dropped_reason, answer.failed + replays)
         return ChainDone(result.grad_input, answer.response.loss, [here, *answer.response.stages], runtime.version)
 
-    async def _chain_park(self, request, out: torch.Tensor, hop_timeout: float) -> LinkAnswer:
+    async def _park(self, request: swarm_pb2.ChainRequest, out: torch.Tensor, hop_timeout: float) -> LinkAnswer:
         """Park our output for the trainer and wait for its gradient (chain_handover.py); a chain the trainer
         abandons breaks at the next stage, as if no candidate of it had answered."""
+        runtime = self.core.runtime
         key = result_key(request.ticket, request.microbatch_id)
-        left = self.spec.num_stages - self.runtime.stage
+        left = self.core.spec.num_stages - runtime.stage
         try:
-            grad = await self.chain.handovers.park(key, out, self.runtime.version, hop_timeout * left)
+            grad = await self.handovers.park(key, out, runtime.version, hop_timeout * left)
         except Abandoned as e:
-            raise ChainBroken(self.runtime.stage + 1, str(e), unreachable=False) from None
+            raise ChainBroken(runtime.stage + 1, str(e), unreachable=False) from None
         return LinkAnswer(swarm_pb2.ChainResponse(), grad, "", 0)
 
-    async def _chain_next(self, request, out: torch.Tensor, targets, route, hop_timeout: float, end: int):
+    async def _call_next(
+        self,
+        request: swarm_pb2.ChainRequest,
+        out: torch.Tensor,
+        targets: torch.Tensor,
+        route: list[list[tuple[str, str]]],
+        hop_timeout: float,
+        end: int,
+    ) -> LinkAnswer:
         """Send our output on to the next stage (the first candidate that takes it)."""
-        nxt = self.runtime.stage + 1
-        allowed, refused = await self.chain.announced.allowed(nxt, route[0])
+        core = self.core
+        nxt = core.runtime.stage + 1
+        allowed, refused = await self.announced.allowed(nxt, route[0])
         if refused:
-            self.metrics.errors.labels("chain", "unannounced_hop").inc(len(refused))
+            core.metrics.errors.labels("chain", "unannounced_hop").inc(len(refused))
         if not allowed:
             raise ChainBroken(nxt, f"none of {len(route[0])} candidates is announced online for it in the DHT", False)
         rest = [
@@ -183,7 +192,7 @@ class ChainRPCs:
 
         def build(act_codec: str, reply: str) -> tuple[swarm_pb2.ChainRequest, list]:
             header, payload = encode_parts(out, act_codec)
-            self._count_bytes(header, incoming=False, nbytes=memoryview(payload).nbytes)
+            core.count_bytes(header, incoming=False, nbytes=memoryview(payload).nbytes)
             next_request = swarm_pb2.ChainRequest(
                 run_id=request.run_id,
                 stage=nxt,
@@ -198,66 +207,69 @@ class ChainRPCs:
             )
             return next_request, [payload, targets_bytes]
 
-        left = self.spec.num_stages - nxt
-        return await self.chain.link.call(nxt, allowed, build, tuple(out.shape), hop_timeout * left, end)
+        left = core.spec.num_stages - nxt
+        return await self.link.call(nxt, allowed, build, tuple(out.shape), hop_timeout * left, end)
 
     # ------------------------------------------------------------ a segment's end, and the trainer
     async def ChainHandover(
         self, request: swarm_pb2.HandoverRequest, context: grpc.aio.ServicerContext, sink: dict | None = None
     ) -> swarm_pb2.HandoverResponse:
         """The output a chain parked here for the trainer (waiting ``wait_s`` for the chain to arrive)."""
+        core = self.core
 
         async def handle() -> swarm_pb2.HandoverResponse:
-            check_header(self.spec, self.runtime.stage, request.run_id, request.stage, request.microbatch_id)
+            check_header(core.spec, core.runtime.stage, request.run_id, request.stage, request.microbatch_id)
             check_ticket(request.ticket)
             if not 0 < request.wait_s <= MAX_HOP_TIMEOUT_S:  # also refuses NaN
                 raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, f"wait_s must lie in (0, {MAX_HOP_TIMEOUT_S:g}]")
-            codec = reply_codec(request.output_codec, self.spec.compression.activations)
+            codec = reply_codec(request.output_codec, core.spec.compression.activations)
             key = result_key(request.ticket, request.microbatch_id)
-            parked = await self.chain.handovers.handover(key, caller_key(context.peer() or ""), request.wait_s)
-            output = self._encode(parked.output, codec, sink, "output")
+            parked = await self.handovers.handover(key, caller_key(context.peer() or ""), request.wait_s)
+            output = core.encode(parked.output, codec, sink, "output")
             return swarm_pb2.HandoverResponse(output=output, version=parked.version)
 
-        return await self._serve("chain_handover", context, handle)
+        return await core.serve("chain_handover", context, handle)
 
     async def ChainResume(
         self, request: swarm_pb2.ResumeRequest, context: grpc.aio.ServicerContext, sink: dict | None = None
     ) -> swarm_pb2.ResumeResponse:
         """The gradient of a handed-over output (or ``abandon``): the parked chain goes on with its backward.
         A gradient of the wrong shape or dtype is refused and the chain keeps waiting."""
+        core = self.core
 
         async def handle() -> swarm_pb2.ResumeResponse:
-            check_header(self.spec, self.runtime.stage, request.run_id, request.stage, request.microbatch_id)
+            check_header(core.spec, core.runtime.stage, request.run_id, request.stage, request.microbatch_id)
             check_ticket(request.ticket)
             key = result_key(request.ticket, request.microbatch_id)
-            parked = self.chain.handovers.waiting_for(key)
+            parked = self.handovers.waiting_for(key)
             grad = None
             if not request.abandon:
-                self._count_bytes(request.grad_output, incoming=True)
+                core.count_bytes(request.grad_output, incoming=True)
                 grad = decode(
                     request.grad_output,
-                    max_elements=self.spec.limits.max_tensor_elements,
+                    max_elements=core.spec.limits.max_tensor_elements,
                     allowed_dtypes=FLOAT_DTYPES,
                     expect_shape=tuple(parked.output.shape),
                     what="grad_output",
                 ).float()
-            self.chain.handovers.resume(key, grad)
-            return swarm_pb2.ResumeResponse(version=self.runtime.version)
+            self.handovers.resume(key, grad)
+            return swarm_pb2.ResumeResponse(version=core.runtime.version)
 
-        return await self._serve("chain_resume", context, handle)
+        return await core.serve("chain_resume", context, handle)
 
     def _stage_result(self, applied: bool, dropped_reason: str, retries: int) -> swarm_pb2.ChainStageResult:
+        runtime = self.core.runtime
         return swarm_pb2.ChainStageResult(
-            stage=self.runtime.stage,
-            peer_id=self.peer_id,
-            version=self.runtime.version,
+            stage=runtime.stage,
+            peer_id=self.core.peer_id,
+            version=runtime.version,
             applied=applied,
             dropped_reason=dropped_reason[:200],
             retries=retries,
         )
 
-    async def close_chain(self) -> None:
-        if self._chain_state is not None:
-            self._chain_state.handovers.close()
-            await self._chain_state.results.close()
-            await self._chain_state.link.close()
+    async def close(self) -> None:
+        """The peer is leaving: parked chains end abandoned, running ones are cancelled, the link closes."""
+        self.handovers.close()
+        await self.results.close()
+        await self.link.close()
