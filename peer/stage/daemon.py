@@ -164,7 +164,7 @@ class PeerDaemon:
             self.events.emit("unreachable", level=logging.ERROR, advice=str(e))
             raise
         if not self.serving.relayed:  # relayed peers get our host for the ports we open for them
-            self.relay.announce_host = self.address.rsplit(":", 1)[0].strip("[]")
+            self.relay.announce_at(self.address.rsplit(":", 1)[0].strip("[]"))
         if cfg.metrics_port >= 0:
             self.metrics_address = f"{self.address.rsplit(':', 1)[0]}:{metrics.serve(cfg.metrics_port, cfg.host)}"
         await self._announce()  # visible as "joining" while state arrives
@@ -213,7 +213,7 @@ class PeerDaemon:
         """Nobody can dial us. Our DHT node becomes a client (``--dht-client-mode auto``); hivemind forks it,
         and a fork must not meet live gRPC objects, so our server stops for it and starts again on its port.
         Then a relay's tunnel: the address we announce."""
-        self.relay.capacity = 0  # a relayed peer relays nobody
+        self.relay.stop_relaying()  # a relayed peer relays nobody
         if self.cfg.dht_client_mode == "auto":
             await self.server.stop(None)
             self.server = None
@@ -221,7 +221,7 @@ class PeerDaemon:
             self.dht = await asyncio.to_thread(restart_as_client, self.dht, self.initial_peers, self.cfg.host)
             self.swarm = SwarmDHT(self.dht, self.swarm.run_id)
             self.swarm.protect()
-            self.serving.swarm = self.swarm
+            self.serving.use_swarm(self.swarm)
             services = relay_handlers(self.relay)
             self.server, _ = await start_server(self.servicer, self.cfg.host, port, services=services)
         return await self.serving.relay()

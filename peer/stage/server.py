@@ -40,7 +40,8 @@ from swarmpipe.peer.swarm.identity import Identity
 from swarmpipe.peer.swarm.records import WIRE_PROTOCOL
 from swarmpipe.peer.transport import security as process_security
 from swarmpipe.peer.transport.channels import server_options, tune_allocator
-from swarmpipe.peer.transport.error_contract import Rejections, generated_handlers, guard_handlers
+from swarmpipe.peer.transport.error_contract import Rejections, Unserved, generated_handlers, guard_handlers
+from swarmpipe.peer.transport.overload import bounded_server
 from swarmpipe.peer.transport.streaming import METHODS as STREAM_METHODS
 from swarmpipe.peer.transport.streaming import frames, reassemble
 from swarmpipe.peer.transport.unauthenticated import counted
@@ -200,12 +201,14 @@ async def start_server(
     security = security or process_security.current()
     options = server_options(servicer.runtime.spec.limits.max_message_mb)
     interceptors = security.server_interceptors(counted(servicer.rejections))  # none in an open swarm
-    server = grpc.aio.server(options=options, maximum_concurrent_rpcs=MAX_CONCURRENT_RPCS, interceptors=interceptors)
+    # beyond MAX_CONCURRENT_RPCS: RESOURCE_EXHAUSTED, counted, before any other work (credentials included)
+    server = bounded_server(options, interceptors, MAX_CONCURRENT_RPCS, servicer.rejections)
     handlers = _stage_method_handlers(servicer)
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("swarmpipe.Stage", handlers),))
     server.add_registered_method_handlers("swarmpipe.Stage", handlers)
     for name, extra in (services or {}).items():
         server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(name, extra),))
+    server.add_generic_rpc_handlers((Unserved(servicer.rejections),))  # a made-up path: UNIMPLEMENTED, counted
     bound = security.add_port(server, f"{host}:{port}")
     if bound == 0:
         raise OSError(f"could not bind the stage server to {host}:{port}")

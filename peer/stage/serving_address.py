@@ -73,6 +73,10 @@ class ServingAddress:
         self.verdict: Verdict | None = None
         self.relay_reason = ""
 
+    def use_swarm(self, swarm: SwarmDHT) -> None:
+        """Our DHT node restarted (as a client): read the swarm through the new one."""
+        self.swarm = swarm
+
     @property
     def relayed(self) -> bool:
         return bool(self.relay_peer)

@@ -94,6 +94,14 @@ class RelayServicer:
         self.tunnels: dict[int, _Tunnel] = {}
         self._serial = 0
 
+    def stop_relaying(self) -> None:
+        """A peer that is itself relayed relays nobody: new tunnels are refused from now on."""
+        self.capacity = 0
+
+    def announce_at(self, host: str) -> None:
+        """The public host relayed peers announce, once our own serving address is known."""
+        self.announce_host = host
+
     @property
     def in_use(self) -> int:
         return len(self.tunnels)
