@@ -2,7 +2,6 @@
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
-TEST_WORKERS ?= 4
 
 .PHONY: setup demo test format test-fast compose-test bench protos clean
 
@@ -17,14 +16,15 @@ setup: $(BIN)/swarmpipe
 demo: setup
 	$(BIN)/swarmpipe demo
 
-# Lint and format check first (ruff, configured in pyproject.toml), then every tier this machine can run, in one
-# pytest run of four workers: the integration and fault tiers wait on real processes (start-up, DHT rounds,
-# fixed-length trainer runs) far more than they compute, so four share the two cores well. Files go whole to a
-# worker (a module's shared swarm is started once), the longest first (tests/conftest.py orders them).
+# Lint and format check first (ruff, configured in pyproject.toml), then every tier this machine can run: unit and
+# integration two files at a time (a file goes whole to a worker, so a module's shared swarm starts once), then the
+# fault tier two scenarios at a time (its trainers run for a fixed time: it waits more than it computes). More
+# workers than cores overloads the fault scenarios' fixed-time runs (measured: 4 workers, 29 min and 5 failures).
 test: setup
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
-	$(BIN)/python -m pytest tests -m "not compose" -q -n $(TEST_WORKERS) --dist loadfile --durations=20
+	$(BIN)/python -m pytest tests -m "not compose" --ignore=tests/fault -q -n 2 --dist loadfile --durations=15
+	$(BIN)/python -m pytest tests/fault -m "not compose" -q -n 2 --durations=10
 
 # The unit tier alone (no sockets): the edit loop's check, under two minutes.
 test-fast: setup
