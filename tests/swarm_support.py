@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+import grpc
+
 from swarmpipe.cli.launcher import Launched, wait_for
 from swarmpipe.cli.local_swarm import LocalSwarm
 from swarmpipe.protos import swarm_pb2
@@ -68,3 +70,19 @@ def assert_trained(report: dict, min_steps: int) -> None:
     # re-routed for a while after a fault): the faults were survived in chain mode, not by quietly going hub.
     assert report["route"] == "chain", report
     assert report["microbatches_chained"] >= 0.5 * report["microbatches_completed"], report
+
+
+async def call_raw(channel: grpc.aio.Channel, path: str, payload: bytes, streaming: tuple[bool, bool]) -> None:
+    """``payload`` as the request bytes of ``path`` (no serializer: the bytes go as they are); ``streaming`` is
+    (the request streams, the response streams), as :func:`service_methods` gives it. Raises what the call does."""
+    request_streaming, response_streaming = streaming
+    if request_streaming and response_streaming:
+        async for _ in channel.stream_stream(path)(iter([payload]), timeout=10):
+            pass
+    elif request_streaming:
+        await channel.stream_unary(path)(iter([payload]), timeout=10)
+    elif response_streaming:
+        async for _ in channel.unary_stream(path)(payload, timeout=10):
+            pass
+    else:
+        await channel.unary_unary(path)(payload, timeout=10)

@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator
 import grpc
 import pytest
 import torch
-from swarm_support import service_methods
+from swarm_support import call_raw, service_methods
 
 from swarmpipe.peer.spec import spec_from_dict
 from swarmpipe.peer.stage.lifecycle import Lifecycle
@@ -92,18 +92,8 @@ async def swarm_peer(request, keys) -> AsyncIterator[tuple[StageServicer, str, S
 
 async def _raw_call(channel: grpc.aio.Channel, method: str, payload: bytes) -> grpc.aio.AioRpcError:
     path = f"/swarmpipe.Stage/{method}"
-    request_streaming, response_streaming = METHODS[method]
     with pytest.raises(grpc.aio.AioRpcError) as failed:
-        if request_streaming and response_streaming:
-            async for _ in channel.stream_stream(path)(iter([payload]), timeout=10):
-                pass
-        elif request_streaming:
-            await channel.stream_unary(path)(iter([payload]), timeout=10)
-        elif response_streaming:
-            async for _ in channel.unary_stream(path)(payload, timeout=10):
-                pass
-        else:
-            await channel.unary_unary(path)(payload, timeout=10)
+        await call_raw(channel, path, payload, METHODS[method])
     return failed.value
 
 

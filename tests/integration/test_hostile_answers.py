@@ -25,7 +25,7 @@ import grpc
 import pytest
 import torch
 from prometheus_client import CollectorRegistry, Counter
-from swarm_support import Swarm, service_methods
+from swarm_support import Swarm, call_raw, service_methods
 
 from swarmpipe.peer.state.errors import StateError
 from swarmpipe.peer.state.format import StageState, to_chunks
@@ -85,21 +85,6 @@ def _errors(url: str, kind: str) -> float:
     )
 
 
-async def _call_raw(channel: grpc.aio.Channel, path: str, payload: bytes, streaming: tuple[bool, bool]) -> None:
-    """``payload`` as the request bytes of ``path`` (no serializer)."""
-    request_streaming, response_streaming = streaming
-    if request_streaming and response_streaming:
-        async for _ in channel.stream_stream(path)(iter([payload]), timeout=10):
-            pass
-    elif request_streaming:
-        await channel.stream_unary(path)(iter([payload]), timeout=10)
-    elif response_streaming:
-        async for _ in channel.unary_stream(path)(payload, timeout=10):
-            pass
-    else:
-        await channel.unary_unary(path)(payload, timeout=10)
-
-
 # ------------------------------------------------------------------ methods the coordinator does not serve
 
 
@@ -116,7 +101,7 @@ async def test_the_coordinator_answers_methods_it_does_not_serve_quietly(target)
         for path, kinds in unserved.items():
             for payload in (b"", b"\xff\xff\xff"):  # an empty (valid) request, and garbage
                 with pytest.raises(grpc.aio.AioRpcError) as refused:
-                    await _call_raw(channel, path, payload, kinds)
+                    await call_raw(channel, path, payload, kinds)
                 error = refused.value
                 assert error.code() == grpc.StatusCode.UNIMPLEMENTED, (path, error.code(), error.details())
                 assert len(error.details()) < MAX_DETAILS, (path, error.details())

@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator
 import grpc
 import pytest
 import torch
-from swarm_support import service_methods
+from swarm_support import call_raw, service_methods
 
 from swarmpipe.peer.spec import spec_from_dict
 from swarmpipe.peer.stage.lifecycle import Lifecycle
@@ -65,19 +65,8 @@ async def peer() -> AsyncIterator[tuple[StageServicer, grpc.aio.Channel]]:
 async def _send_raw(channel: grpc.aio.Channel, method: str, payload: bytes) -> grpc.aio.AioRpcError:
     """``payload`` as the request bytes of ``method`` (no serializer: the bytes go as they are)."""
     path = f"/swarmpipe.Stage/{method}"
-    request_streaming, response_streaming = METHODS[method]
     with pytest.raises(grpc.aio.AioRpcError) as failed:
-        if request_streaming and response_streaming:
-            call = channel.stream_stream(path)(iter([payload]), timeout=10)
-            async for _ in call:
-                pass
-        elif request_streaming:
-            await channel.stream_unary(path)(iter([payload]), timeout=10)
-        elif response_streaming:
-            async for _ in channel.unary_stream(path)(payload, timeout=10):
-                pass
-        else:
-            await channel.unary_unary(path)(payload, timeout=10)
+        await call_raw(channel, path, payload, METHODS[method])
     return failed.value
 
 

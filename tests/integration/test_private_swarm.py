@@ -17,7 +17,7 @@ import hivemind
 import pytest
 from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.utils.crypto import RSAPrivateKey
-from swarm_support import service_methods
+from swarm_support import call_raw, service_methods
 
 from swarmpipe.cli.healthcheck import run_healthcheck
 from swarmpipe.cli.launcher import wait_for
@@ -96,16 +96,7 @@ async def _refused_everywhere(security: Security, addresses: list[str]) -> None:
                 path = f"/swarmpipe.Stage/{method}"
                 payload = swarm_pb2.InfoRequest(run_id="test").SerializeToString()
                 with pytest.raises(grpc.aio.AioRpcError) as refused:
-                    if request_streaming and response_streaming:
-                        async for _ in channel.stream_stream(path)(iter([payload]), timeout=10):
-                            pass
-                    elif request_streaming:
-                        await channel.stream_unary(path)(iter([payload]), timeout=10)
-                    elif response_streaming:
-                        async for _ in channel.unary_stream(path)(payload, timeout=10):
-                            pass
-                    else:
-                        await channel.unary_unary(path)(payload, timeout=10)
+                    await call_raw(channel, path, payload, (request_streaming, response_streaming))
                 code = refused.value.code()
                 # A request stream still being written when the server ends the call can surface client-side as
                 # INTERNAL "Internal error from Core" (seen once in a loaded full run): refused all the same.
