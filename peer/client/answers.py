@@ -15,10 +15,9 @@ import math
 import torch
 
 from swarmpipe.peer.norm_guard import NormGuard
-from swarmpipe.peer.transport.wire import WireError, decode
+from swarmpipe.peer.transport.wire import FLOAT_DTYPES, WireError, decode
 from swarmpipe.protos import swarm_pb2
 
-FLOAT_DTYPES = ("float32", "float16", "bfloat16")  # activations and gradients; tokens never come back
 # Activations are layer outputs of a residual stream: they drift slowly, so a 100x jump is no honest spike.
 # Gradients spike far more in an asynchronous swarm (norm_guard.py): NormGuard's own bound.
 FACTORS = {"activations": 100.0, "gradients": NormGuard.factor}

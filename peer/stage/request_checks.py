@@ -14,11 +14,10 @@ import torch
 
 from swarmpipe.peer.spec import RunSpec
 from swarmpipe.peer.transport import codecs
-from swarmpipe.peer.transport.wire import WireError, decode, echo
+from swarmpipe.peer.transport.wire import FLOAT_DTYPES, WireError, decode, echo
 from swarmpipe.protos import swarm_pb2
 
 MAX_MICROBATCH_ID = 128
-FLOAT_DTYPES = ("float32", "float16", "bfloat16")
 
 
 class RequestError(Exception):

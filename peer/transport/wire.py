@@ -32,6 +32,7 @@ DTYPES: dict[str, torch.dtype] = {
     "int64": torch.int64,
 }
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+FLOAT_DTYPES = ("float32", "float16", "bfloat16")  # activations and gradients; tokens travel as int64
 
 
 class WireError(ValueError):

@@ -35,7 +35,6 @@ from swarmpipe.peer.stage.chain.link import ChainLink, LinkAnswer
 from swarmpipe.peer.stage.chain.results import ChainDone, ChainResults, result_key
 from swarmpipe.peer.stage.chain.route import AnnouncedHops, check_route, check_ticket, decode_targets
 from swarmpipe.peer.stage.request_checks import (
-    FLOAT_DTYPES,
     RequestError,
     check_header,
     decode_stage_input,
@@ -49,7 +48,7 @@ from swarmpipe.peer.transport import codecs
 from swarmpipe.peer.transport.chain_protocol import MAX_HOP_TIMEOUT_S, ChainBroken
 from swarmpipe.peer.transport.codec_policy import ErrorFeedback
 from swarmpipe.peer.transport.error_contract import caller_key
-from swarmpipe.peer.transport.wire import decode, encode_parts
+from swarmpipe.peer.transport.wire import FLOAT_DTYPES, decode, encode_parts
 from swarmpipe.protos import swarm_pb2
 
 log = logging.getLogger("swarmpipe.server")
