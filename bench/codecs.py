@@ -18,9 +18,10 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from swarmpipe.peer.transport.channels import tune_allocator  # noqa: E402
+from swarmpipe.peer.transport.codecs import REGISTRY  # noqa: E402
 from swarmpipe.peer.transport.wire import decode, encode  # noqa: E402
 
-CODECS = ("none", "fp16", "bf16", "uint8", "blockwise8")
+CODECS = tuple(REGISTRY)  # every codec the swarm speaks
 
 
 def best_time(fn, repeats: int) -> float:

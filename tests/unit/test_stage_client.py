@@ -148,7 +148,10 @@ async def test_a_reply_is_counted_and_a_stage_call_never_reads_as_a_broken_chain
         await client.call("a:1", "Forward", request, timeout=1.0)
 
 
-@pytest.mark.parametrize(("codec", "residual"), [("blockwise8", True), ("uint8", True), ("fp16", False)])
+@pytest.mark.parametrize(
+    ("codec", "residual"),
+    [("blockwise8", True), ("blockwise4", True), ("blockwise2", True), ("uint8", True), ("fp16", False)],
+)
 def test_gradients_carry_error_feedback_where_the_codec_registry_says_so(codec: str, residual: bool):
     client = StageClient(_spec(), pool=_Pool())
     grad = torch.randn(ROWS, SEQ, WIDTH)

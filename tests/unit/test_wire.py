@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from swarmpipe.peer.transport.codecs import REGISTRY
+from swarmpipe.peer.transport.codecs import LOWBIT_BLOCK, REGISTRY
 from swarmpipe.peer.transport.wire import (
     BLOCK_SIZE,
     CHUNK,
@@ -56,6 +56,14 @@ def tolerance(codec: str, x: torch.Tensor) -> torch.Tensor:
         step = padded.abs().amax(dim=1) / 127.0
         per_elem = step.repeat_interleave(BLOCK_SIZE)[:n].view(x.shape)
         return 0.5 * per_elem * 1.001 + 1e-7 + back
+    if codec in ("blockwise4", "blockwise2"):  # absmax per LOWBIT_BLOCK, 2**bits levels: half a level's step
+        levels = 16 if codec == "blockwise4" else 4
+        n = flat.numel()
+        blocks = math.ceil(n / LOWBIT_BLOCK)
+        padded = torch.nn.functional.pad(flat, (0, blocks * LOWBIT_BLOCK - n)).view(blocks, LOWBIT_BLOCK)
+        absmax = padded.abs().amax(dim=1).repeat_interleave(LOWBIT_BLOCK)[:n].view(x.shape)
+        # a level can be far from the value (2 bits): the final cast rounds at the level's magnitude
+        return absmax / (levels - 1) * 1.001 + 1e-7 + absmax * UNIT_ROUNDOFF[x.dtype] * 1.01
     raise AssertionError(codec)
 
 
@@ -196,6 +204,8 @@ def test_encoded_size(codec: str) -> None:
             "bf16": 2 * n,
             "uint8": 8 + n,
             "blockwise8": 4 * math.ceil(n / BLOCK_SIZE) + n,
+            "blockwise4": 4 * math.ceil(n / LOWBIT_BLOCK) + LOWBIT_BLOCK // 2 * math.ceil(n / LOWBIT_BLOCK),
+            "blockwise2": 4 * math.ceil(n / LOWBIT_BLOCK) + LOWBIT_BLOCK // 4 * math.ceil(n / LOWBIT_BLOCK),
         }[codec]
         assert encoded_size(codec, torch.float32, n) == expected
 
@@ -309,7 +319,7 @@ def test_empty_payload_for_nonempty_shape() -> None:
         decode(swarm_pb2.Tensor(shape=[4], dtype="float32", codec="none", data=b""))
 
 
-@pytest.mark.parametrize("codec", ["fp16", "bf16", "uint8", "blockwise8"])
+@pytest.mark.parametrize("codec", ["fp16", "bf16", "uint8", "blockwise8", "blockwise4", "blockwise2"])
 def test_codec_on_int_tensor(codec: str) -> None:
     msg = swarm_pb2.Tensor(shape=[4], dtype="int64", codec=codec, data=b"\x00" * 32)
     with pytest.raises(WireError, match=f"codec {codec} is only for floating-point tensors, got int64"):
@@ -323,7 +333,7 @@ def test_unknown_codec_in_message() -> None:
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
-@pytest.mark.parametrize("codec", ["none", "fp16", "bf16", "uint8", "blockwise8"])
+@pytest.mark.parametrize("codec", CODECS)
 def test_non_finite_rejected(codec: str, bad: float) -> None:
     x = torch.ones(BLOCK_SIZE + 3)
     x[BLOCK_SIZE + 1] = bad
@@ -357,6 +367,30 @@ def test_forged_uint8_header_with_inf_scale_rejected() -> None:
     msg = swarm_pb2.Tensor(shape=[3], dtype="float32", codec="uint8", data=header + bytes([0, 1, 2]))
     with pytest.raises(WireError, match="NaN or Inf"):
         decode(msg)
+
+
+@pytest.mark.parametrize("codec", ["blockwise4", "blockwise2"])
+@pytest.mark.parametrize("scale", [float("nan"), float("inf"), float("-inf")])
+def test_forged_lowbit_scale_rejected(codec: str, scale: float) -> None:
+    n = LOWBIT_BLOCK + 5
+    good = encode(torch.ones(n), codec).data
+    forged = good[:4] + torch.tensor([scale], dtype=torch.float32).numpy().tobytes() + good[8:]
+    msg = swarm_pb2.Tensor(shape=[n], dtype="float32", codec=codec, data=forged)
+    with pytest.raises(WireError, match="NaN or Inf"):
+        decode(msg)
+
+
+@pytest.mark.parametrize("codec", ["blockwise4", "blockwise2"])
+def test_any_lowbit_code_a_sender_writes_stays_within_its_blocks_scale(codec: str) -> None:
+    """Every code is a level in [-absmax, absmax]: random bytes under finite scales decode to bounded values."""
+    n = 3 * LOWBIT_BLOCK
+    scales = torch.tensor([0.5, 2.0, 1e30], dtype=torch.float32)
+    codes = torch.randint(0, 256, (len(encode(torch.ones(n), codec).data) - 12,), dtype=torch.uint8)
+    msg = swarm_pb2.Tensor(
+        shape=[n], dtype="float32", codec=codec, data=scales.numpy().tobytes() + codes.numpy().tobytes()
+    )
+    y = decode(msg).view(3, LOWBIT_BLOCK)
+    assert bool((y.abs() <= scales[:, None] * 1.0001).all())
 
 
 def test_int_tensor_not_checked_for_finiteness() -> None:
