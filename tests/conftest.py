@@ -3,10 +3,15 @@
 from __future__ import annotations
 
 import gc
+import os
 from pathlib import Path
 
 import pytest
 from swarm_support import Swarm
+
+# Roles fork from one warm server per test process instead of importing torch and hivemind again each time
+# (swarmpipe/cli/warm_start.py): about 7 CPU-seconds saved per role started. SWARMPIPE_WARM_START=0 runs cold.
+os.environ.setdefault("SWARMPIPE_WARM_START", "1")
 
 
 @pytest.fixture

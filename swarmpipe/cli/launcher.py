@@ -17,11 +17,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from swarmpipe.cli import warm_start
+from swarmpipe.cli.warm_start import WarmProcess, WarmStarter
+
 
 @dataclass
 class Launched:
     name: str
-    proc: subprocess.Popen
+    proc: subprocess.Popen | WarmProcess  # warm-started roles (tests) answer the same calls
     log_path: Path
     ready_path: Path | None = None  # a peer's --ready-file, where there is one
 
@@ -64,11 +67,20 @@ class ProcessGroup:
         exec the role in place, so that the pid and the process group stay the role's."""
         log_path = self.workdir / f"{name}.log"
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **self.env, **(extra_env or {})}
-        command = [*prefix, sys.executable, "-m", "swarmpipe.cli.main", role, *args]
-        with open(log_path, "ab") as log:
-            proc = subprocess.Popen(
-                command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, start_new_session=True
-            )
+        proc: subprocess.Popen | WarmProcess
+        if warm_start.enabled() and not prefix:
+            proc = WarmStarter.shared(self.workdir).start([role, *args], env, log_path)
+        else:
+            command = [*prefix, sys.executable, "-m", "swarmpipe.cli.main", role, *args]
+            with open(log_path, "ab") as log:
+                proc = subprocess.Popen(
+                    command,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    stdin=subprocess.DEVNULL,
+                    env=env,
+                    start_new_session=True,
+                )
         launched = Launched(name, proc, log_path)
         self.procs.append(launched)
         return launched
