@@ -129,3 +129,14 @@ def test_relay_bench_measures_the_tunnel_direct_relayed_and_capped(tmp_path: Pat
         assert int(size) > 0 and all(row[k] > 0 for k in ("direct", "relayed", "relayed_capped")), row
         assert all(r > 0 for r in row["ratio_relayed_direct"])
     assert "relayed" in stdout
+
+
+def test_link_budget_table_matches_the_8b_arithmetic(tmp_path: Path) -> None:
+    """bench/link_budget.py: 2048 x 4096 values a hop; 8-bit at 100 Mbit/s is ~3,000 tokens/s, ~17x the link."""
+    stdout, data = run_bench("link_budget.py", tmp_path=tmp_path)
+    rows = {r["codec"]: r for r in data["rows"]}
+    assert rows["bf16"]["bytes_per_hop"] == 2 * 2048 * 4096 and rows["bf16"]["vs_bf16"] == 1.0
+    eight = rows["blockwise8"]["links"][1]
+    assert eight["mbits"] == 100 and 2900 < eight["tokens_per_s"] < 3100 and 15 < eight["link_over_compute"] < 18
+    assert rows["blockwise4"]["vs_bf16"] > 3.7 and rows["blockwise2"]["vs_bf16"] > 7.0
+    assert "| codec | MiB a hop, each way | vs bf16 |" in stdout
