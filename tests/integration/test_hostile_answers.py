@@ -100,12 +100,17 @@ async def test_the_coordinator_answers_methods_it_does_not_serve_quietly(target)
     async with grpc.aio.insecure_channel(address) as channel:
         for path, kinds in unserved.items():
             for payload in (b"", b"\xff\xff\xff"):  # an empty (valid) request, and garbage
-                with pytest.raises(grpc.aio.AioRpcError) as refused:
-                    await call_raw(channel, path, payload, kinds)
-                error = refused.value
+                for _ in range(3):
+                    with pytest.raises(grpc.aio.AioRpcError) as refused:
+                        await call_raw(channel, path, payload, kinds)
+                    error = refused.value
+                    calls += 1  # the server counts a raced call too
+                    # a streaming caller can lose the race with the refusal: its own send of the request fails
+                    # (client-side INTERNAL, "execute_batch") after the server already answered and closed
+                    if not (error.code() == grpc.StatusCode.INTERNAL and "execute_batch" in error.debug_error_string()):
+                        break
                 assert error.code() == grpc.StatusCode.UNIMPLEMENTED, (path, error.code(), error.details())
                 assert len(error.details()) < MAX_DETAILS, (path, error.details())
-                calls += 1
         stub = swarm_pb2_grpc.StageStub(channel)  # through the generated stub as a confused peer would call
         with pytest.raises(grpc.aio.AioRpcError) as refused:
             await stub.Forward(swarm_pb2.ForwardRequest(run_id="test", stage=0), timeout=10)
