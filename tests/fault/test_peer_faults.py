@@ -12,16 +12,23 @@ import signal
 import time
 
 import pytest
-from swarm_support import assert_trained, events_of, kill_tree, wait_step
+from swarm_support import assert_trained, events_of, kill_tree, stop_trainer, wait_step
 
 from swarmpipe.cli.launcher import wait_for
 from swarmpipe.peer.state.transfer import download_state
 
 pytestmark = [pytest.mark.fault, pytest.mark.timeout(360)]
 
-# The trainer runs for RUN_S seconds whatever the machine's speed, so every fault lands mid-run.
-STEPS = 1_000_000
-RUN_S = 45
+# Runs are sized in work, not time, so a loaded machine makes them slower, never shorter. The fault lands at
+# FAULT_STEP or soon after; the trainer (--steps STEPS) then has ~300 micro-batches to go, and must complete at
+# least AFTER_FAULT past the fault: ~10 s of training with the fault in place on an idle 2-core machine (~35 a
+# second), past the retries and bans up to the dead record's lapse (10 s). Where a scenario waits for something
+# outside the trainer (a checkpoint, the coordinator to see a freeze), the trainer gets UNTIL_STOPPED steps and
+# is stopped (SIGTERM) once the test has seen it.
+FAULT_STEP = 60
+STEPS = 400
+AFTER_FAULT = 200
+UNTIL_STOPPED = 1_000_000
 
 
 def test_sigkill_one_replica(swarm):
@@ -31,11 +38,12 @@ def test_sigkill_one_replica(swarm):
     survivor = swarm.start_peer(1, wait=False)
     for p in swarm.group.procs[1:]:
         swarm.wait_ready(p)
-    trainer, report_path = swarm.start_trainer(STEPS, "--max-time", str(RUN_S), "--call-timeout", "10")
-    wait_step(swarm, 60, trainer)
+    trainer, report_path = swarm.start_trainer(STEPS, "--call-timeout", "10")
+    killed_at = wait_step(swarm, FAULT_STEP, trainer)
     kill_tree(victim)
+    assert trainer.alive(), "the replica must die mid-run"
     report = swarm.wait_report(trainer, report_path, timeout=300)
-    assert_trained(report, min_steps=150)
+    assert_trained(report, min_steps=killed_at + AFTER_FAULT)  # trained on well past the kill
     assert survivor.alive()
 
 
@@ -45,28 +53,38 @@ def test_sigkill_only_replica_recovers_from_checkpoint(swarm):
     victim = swarm.start_peer(1, wait=False)
     for p in swarm.group.procs[1:]:
         swarm.wait_ready(p)
-    trainer, report_path = swarm.start_trainer(STEPS, "--max-time", str(RUN_S), "--call-timeout", "10")
-    wait_step(swarm, 60, trainer)
+    victim_id = swarm.wait_ready(victim)["peer_id"]
+    # Trains until stopped: a checkpoint holding trained weights can take 30 s to come (the peer serves one
+    # exported snapshot for that long, so the coordinator's pulls every 2 s save the same early state till then).
+    trainer, report_path = swarm.start_trainer(UNTIL_STOPPED, "--call-timeout", "10")
+    wait_step(swarm, FAULT_STEP, trainer)
     wait_for(
         lambda: (swarm.api().get("checkpoint") or {}).get("stages", {}).get("1", {}).get("version", 0) > 10,
         60,
         "a checkpoint of stage 1",
+        procs=[trainer],
     )
+    killed_at = wait_step(swarm, 0, trainer)
     kill_tree(victim)
-    killed_at = time.monotonic()
-    time.sleep(10)
+    killed_time = time.time()
+    assert trainer.alive(), "the only replica must die mid-run"
+    # The replacement starts once the victim's record has lapsed (the coordinator drops it 10 s after its last
+    # announcement), so it finds no replica to download from; the trainer waits for stage 1 meanwhile.
+    wait_for(
+        lambda: [e for e in events_of(swarm, "peer_gone") if e["peer"] == victim_id and e["time"] > killed_time],
+        60,
+        "the coordinator to see the only replica gone",
+        procs=[trainer],
+    )
+    waits = [e for e in events_of(swarm, "waiting_for_replica") if e["stage"] == 1 and e["time"] > killed_time]
+    assert waits, "the trainer should have said it was waiting for stage 1"
     replacement = swarm.start_peer(1, name="replacement")
     loaded = [e for e in events_of(swarm, "state_loaded") if e["peer_id"] == swarm.wait_ready(replacement)["peer_id"]]
     assert loaded and loaded[0]["source"] == "checkpoint", events_of(swarm, "state_loaded")
     assert loaded[0]["version"] > 10
-    report = swarm.wait_report(trainer, report_path, timeout=300)
-    assert_trained(report, min_steps=150)
-    waits = [
-        e
-        for e in events_of(swarm, "waiting_for_replica")
-        if e["time"] > time.time() - (time.monotonic() - killed_at) - 5
-    ]
-    assert waits, "the trainer should have said it was waiting for stage 1"
+    wait_step(swarm, killed_at + AFTER_FAULT, trainer)  # trained on well past the kill, on the replacement
+    report = stop_trainer(swarm, trainer, report_path)
+    assert_trained(report, min_steps=killed_at + AFTER_FAULT, stopped=True)
 
 
 def test_sigstop_replica_is_routed_around_and_rejoins(swarm):
@@ -75,23 +93,32 @@ def test_sigstop_replica_is_routed_around_and_rejoins(swarm):
     frozen = swarm.start_peer(1, wait=False)
     swarm.start_peer(1, wait=False)
     infos = [swarm.wait_ready(p) for p in swarm.group.procs[1:]]
-    trainer, report_path = swarm.start_trainer(STEPS, "--max-time", str(RUN_S), "--call-timeout", "5")
-    wait_step(swarm, 60, trainer)
+    trainer, report_path = swarm.start_trainer(UNTIL_STOPPED, "--call-timeout", "5")
+    wait_step(swarm, FAULT_STEP, trainer)
+    frozen_id = infos[1]["peer_id"]
     os.killpg(frozen.proc.pid, signal.SIGSTOP)
     stopped_at_step = wait_step(swarm, 0, trainer)
-    time.sleep(20)
+    frozen_time = time.time()
+    # Frozen until the coordinator has dropped it (its record lapsed: 10 s without an announcement), well past
+    # the 5 s call deadline that the trainer's calls to it hit.
+    wait_for(
+        lambda: [e for e in events_of(swarm, "peer_gone") if e["peer"] == frozen_id and e["time"] > frozen_time],
+        60,
+        "the coordinator to see the frozen replica gone",
+        procs=[trainer],
+    )
     progressed = wait_step(swarm, 0, trainer)
     assert progressed > stopped_at_step + 10, "training must go on while a replica is frozen"
     os.killpg(frozen.proc.pid, signal.SIGCONT)
-    frozen_id = infos[1]["peer_id"]
 
     def rejoined():
         peers = {p["peer_id"]: p for s in swarm.api()["stages"] for p in s["peers"]}
         return peers.get(frozen_id, {}).get("state") == "online"
 
     wait_for(rejoined, 60, "the frozen replica to be listed online again")
-    report = swarm.wait_report(trainer, report_path, timeout=300)
-    assert_trained(report, min_steps=150)
+    wait_step(swarm, wait_step(swarm, 0, trainer) + 50, trainer)  # and training goes on with it back
+    report = stop_trainer(swarm, trainer, report_path)
+    assert_trained(report, min_steps=150, stopped=True)
     assert report["microbatches_retried"] > 0
 
 
@@ -101,8 +128,8 @@ def test_sigterm_drains_and_hands_state_to_replica(swarm):
     leaving = swarm.start_peer(1, wait=False, name="leaving")
     swarm.start_peer(1, wait=False, name="staying")
     infos = {p.name: swarm.wait_ready(p) for p in swarm.group.procs[1:]}
-    trainer, report_path = swarm.start_trainer(STEPS, "--max-time", str(RUN_S), "--call-timeout", "10")
-    wait_step(swarm, 60, trainer)
+    trainer, report_path = swarm.start_trainer(STEPS, "--call-timeout", "10")
+    left_at = wait_step(swarm, FAULT_STEP, trainer)
     leaving.signal(signal.SIGTERM)
     t0 = time.monotonic()
     leaving.proc.wait(timeout=40)
@@ -113,7 +140,7 @@ def test_sigterm_drains_and_hands_state_to_replica(swarm):
     received = [e for e in events_of(swarm, "state_received") if e["peer_id"] == infos["staying"]["peer_id"]]
     assert received and received[0]["from_version"] == handoff[0]["version"] > 0
     report = swarm.wait_report(trainer, report_path, timeout=300)
-    assert_trained(report, min_steps=150)
+    assert_trained(report, min_steps=left_at + AFTER_FAULT)  # trained on well past the departure
 
 
 def test_peer_joins_mid_run_with_replica_weights(swarm):
@@ -121,8 +148,8 @@ def test_peer_joins_mid_run_with_replica_weights(swarm):
     swarm.start_peer(0, wait=False)
     donor = swarm.start_peer(1, wait=False)
     donor_info = [swarm.wait_ready(p) for p in swarm.group.procs[1:]][1]
-    trainer, report_path = swarm.start_trainer(STEPS, "--max-time", str(RUN_S), "--call-timeout", "10")
-    wait_step(swarm, 60, trainer)
+    trainer, report_path = swarm.start_trainer(STEPS, "--call-timeout", "10")
+    joined_at = wait_step(swarm, FAULT_STEP, trainer)
     os.killpg(trainer.proc.pid, signal.SIGSTOP)  # hold training still so both weights can be compared
     try:
         time.sleep(1.0)
@@ -141,5 +168,5 @@ def test_peer_joins_mid_run_with_replica_weights(swarm):
     finally:
         os.killpg(trainer.proc.pid, signal.SIGCONT)
     report = swarm.wait_report(trainer, report_path, timeout=300)
-    assert_trained(report, min_steps=150)
+    assert_trained(report, min_steps=joined_at + AFTER_FAULT)  # trained on well past the join, with both replicas
     assert donor.alive()
