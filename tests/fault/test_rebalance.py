@@ -6,9 +6,15 @@ import statistics
 import time
 
 import pytest
-from swarm_support import assert_trained, events_of
+from swarm_support import assert_trained, events_of, stop_trainer
 
 pytestmark = [pytest.mark.fault, pytest.mark.timeout(300)]
+# The trainer trains until OBSERVE_S after the first move, then is stopped (SIGTERM): two rebalancing periods
+# (12 s mean) in which a second move of the same peer or a stampede would show, and 20 s of capacity after the
+# move settled (done + 5) to take the median of. A peer moves once measured, within ~20 s of training.
+UNTIL_STOPPED = 1_000_000
+OBSERVE_S = 25
+MOVE_WITHIN_S = 150
 
 
 def _rate_between(progress: list[dict], t_from: float, t_to: float) -> float:
@@ -26,18 +32,23 @@ def test_peer_moves_to_the_bottleneck_stage(swarm):
     peers = [swarm.start_peer(stage, "--rebalance-period", "12", wait=False) for stage in (0, 0, 0, 1)]
     for p in peers:
         swarm.wait_ready(p)
-    trainer, report_path = swarm.start_trainer(1_000_000, "--max-time", "75", "--call-timeout", "10")
+    trainer, report_path = swarm.start_trainer(UNTIL_STOPPED, "--call-timeout", "10")
     capacity = []  # (time, the pipeline's capacity: its slowest stage's total throughput, from the peers' records)
-    while trainer.alive():
+    give_up = time.monotonic() + MOVE_WITHIN_S
+    while True:
+        moves = events_of(swarm, "rebalanced")
+        if moves and time.time() > min(m["time"] for m in moves) + OBSERVE_S:
+            break
+        assert trainer.alive(), trainer.log_text()[-3000:]
+        assert time.monotonic() < give_up, f"no peer rebalanced; checks: {events_of(swarm, 'rebalance_failed')}"
         stages = swarm.api()["stages"]
         if stages:
             capacity.append((time.time(), min(s["throughput"] for s in stages)))
         time.sleep(1.0)
-    report = swarm.wait_report(trainer, report_path, timeout=200)
-    assert_trained(report, min_steps=150)
+    report = stop_trainer(swarm, trainer, report_path)
+    assert_trained(report, min_steps=150, stopped=True)
 
     moves = events_of(swarm, "rebalanced")
-    assert moves, f"no peer rebalanced; checks: {events_of(swarm, 'rebalance_failed')}"
     assert moves[0]["from_stage"] == 0 and moves[0]["to_stage"] == 1, moves
     movers = [m["peer_id"] for m in moves]
     assert len(movers) == len(set(movers)) and len(moves) <= 3, f"hysteresis: no peer moves twice, no stampede: {moves}"
