@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import time
-
 import pytest
 from swarm_support import assert_trained, events_of, kill_tree
 
-from swarmpipe.cli.launcher import read_json
+from swarmpipe.cli.launcher import read_json, wait_for
 
 pytestmark = [pytest.mark.fault, pytest.mark.timeout(300)]
 
@@ -18,10 +16,16 @@ def test_peer_started_while_coordinator_is_down_joins_when_it_returns(swarm):
     swarm.start_peer(0)
     kill_tree(swarm.coordinator)
     late = swarm.start_peer(1, "--spec-timeout", "180", wait=False, name="late")
-    time.sleep(12)
+    # It says so when it finds its initial peer down, and again at each retry (every 5 s): a second notice is a
+    # peer that kept waiting (a fixed sleep would be too short on a loaded machine, where it starts slower).
+    wait_for(
+        lambda: late.log_text().count("initial peers answers yet") >= 2,
+        90,
+        "the late peer to retry its initial peer",
+        procs=[late],
+    )
     assert late.alive(), late.log_text()[-3000:]
     assert read_json(late.ready_path) is None, "it cannot serve before it has the spec"
-    assert "initial peers answers yet" in late.log_text()
     swarm.start_coordinator(spec)
     info = swarm.wait_ready(late, timeout=120)
     assert info["stage"] == 1
