@@ -47,7 +47,7 @@ def test_replica_killed_mid_round(swarm):
     finally:
         trainer.proc.send_signal(signal.SIGTERM)  # graceful: finish what is in flight, write the report
     report = swarm.wait_report(trainer, report_path, timeout=120)
-    assert_trained(report, min_steps=100)
+    assert_trained(report, min_steps=100, stopped=True)
     assert all(e["group_size"] == 2 for e in later), later
     failed = [
         e
