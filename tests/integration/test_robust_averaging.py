@@ -18,7 +18,7 @@ from pathlib import Path
 import grpc
 import pytest
 import torch
-from swarm_support import assert_trained, events_of
+from swarm_support import assert_trained, events_of, stop_trainer, wait_step
 
 from swarmpipe.cli.launcher import wait_for
 from swarmpipe.peer.state.format import StageState, StateError, from_chunks
@@ -59,15 +59,17 @@ async def test_a_byzantine_replica_is_clipped_and_honest_weights_stay_where_trai
     assert float(served.norm()) > 1e5 * float(before[infos[1]["peer_id"]].norm())  # the liar's patch is live
 
     # verification of compute is another test's subject: this one is about weights (the liar computes honestly)
-    trainer, report_path = swarm.start_trainer(1_000_000, "--max-time", "50", "--verify-fraction", "0")
+    # trains until both honest replicas averaged twice and 100 micro-batches are done, then stops (SIGTERM)
+    trainer, report_path = swarm.start_trainer(1_000_000, "--max-time", "120", "--verify-fraction", "0")
 
     def honest_rounds() -> list[dict]:
         rounds = [e for e in events_of(swarm, "averaged") if e["peer_id"] in honest]
         return rounds if {e["peer_id"] for e in rounds} == set(honest) and len(rounds) >= 4 else []
 
     await asyncio.to_thread(wait_for, honest_rounds, 150, "both honest replicas to average twice", 1.0, [trainer])
-    report = await asyncio.to_thread(swarm.wait_report, trainer, report_path, 150)
-    assert_trained(report, min_steps=100)
+    await asyncio.to_thread(wait_step, swarm, 110, trainer)
+    report = await asyncio.to_thread(stop_trainer, swarm, trainer, report_path)
+    assert_trained(report, min_steps=100, stopped=True)
 
     rounds = [e for e in events_of(swarm, "averaged") if e["peer_id"] in honest]
     skipped = [e for e in events_of(swarm, "averaging_donor_skipped") if e["peer_id"] in honest]
