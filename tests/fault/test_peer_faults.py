@@ -48,19 +48,21 @@ def test_sigkill_one_replica(swarm):
 
 
 def test_sigkill_only_replica_recovers_from_checkpoint(swarm):
-    swarm.start_coordinator(None, "--checkpoint-every", "2")
+    # A peer serves the state it exported to every pull for 30 s, so the coordinator's checkpoints repeat the
+    # state of its first pull that long. Pulls every 2 s would first get the untrained state, before the trainer
+    # starts; the first pull 15 s after the coordinator's start mostly finds training under way (else the one
+    # 30 s later, at 45 s, gets trained weights).
+    swarm.start_coordinator(None, "--checkpoint-every", "15")
     swarm.start_peer(0, wait=False)
     victim = swarm.start_peer(1, wait=False)
     for p in swarm.group.procs[1:]:
         swarm.wait_ready(p)
     victim_id = swarm.wait_ready(victim)["peer_id"]
-    # Trains until stopped: a checkpoint holding trained weights can take 30 s to come (the peer serves one
-    # exported snapshot for that long, so the coordinator's pulls every 2 s save the same early state till then).
     trainer, report_path = swarm.start_trainer(UNTIL_STOPPED, "--call-timeout", "10")
     wait_step(swarm, FAULT_STEP, trainer)
     wait_for(
         lambda: (swarm.api().get("checkpoint") or {}).get("stages", {}).get("1", {}).get("version", 0) > 10,
-        60,
+        90,
         "a checkpoint of stage 1",
         procs=[trainer],
     )

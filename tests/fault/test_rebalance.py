@@ -9,11 +9,12 @@ import pytest
 from swarm_support import assert_trained, events_of, stop_trainer
 
 pytestmark = [pytest.mark.fault, pytest.mark.timeout(300)]
-# The trainer trains until OBSERVE_S after the first move, then is stopped (SIGTERM): two rebalancing periods
-# (12 s mean) in which a second move of the same peer or a stampede would show, and 20 s of capacity after the
-# move settled (done + 5) to take the median of. A peer moves once measured, within ~20 s of training.
+# The trainer trains until OBSERVE_S after the first move, then is stopped (SIGTERM): every peer checks again
+# at least once (6 to 18 s apart), so a second move of the same peer or a stampede would show, and 15 s of
+# capacity after the move settled (done + 5) to take the median of. A peer moves once measured, within ~20 s of
+# training.
 UNTIL_STOPPED = 1_000_000
-OBSERVE_S = 25
+OBSERVE_S = 20
 MOVE_WITHIN_S = 150
 
 
