@@ -18,8 +18,9 @@ demo: setup
 
 # Lint and format check first (ruff, configured in pyproject.toml), then every tier this machine can run: unit and
 # integration two files at a time (a file goes whole to a worker, so a module's shared swarm starts once), then the
-# fault tier two scenarios at a time (its trainers run for a fixed time: it waits more than it computes). More
-# workers than cores overloads the fault scenarios' fixed-time runs (measured: 4 workers, 29 min and 5 failures).
+# fault tier two scenarios at a time, its longest first (tests/fault/conftest.py). Roles start warm from a fork
+# server per worker (tests/conftest.py, swarmpipe/cli/warm_start.py). Measured on the 2-core machine: 13.3 min
+# (8.6 + 4.6); the whole suite in one run at -n 3 took the same (13.1 min): the two cores are the limit.
 test: setup
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
