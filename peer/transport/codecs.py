@@ -242,6 +242,21 @@ def _decode_lowbit(data: Buffer, dtype: torch.dtype, numel: int, bits: int) -> t
     return values.view(-1)[:numel].to(dtype)
 
 
+def _lowbit_codec(bits: int) -> Codec:
+    return Codec(
+        f"blockwise{bits}",
+        _lowbit_size(bits, LOWBIT_BLOCK) / LOWBIT_BLOCK,
+        lossy=True,
+        float_only=True,
+        gbps=0.3,
+        auto_roles=(),
+        encode=lambda flat: _encode_lowbit(flat, bits),
+        decode=lambda data, dtype, n: _decode_lowbit(data, dtype, n, bits),
+        size=lambda dtype, n: _lowbit_size(bits, n),
+        error_feedback=True,
+    )
+
+
 # ---------------------------------------------------------------- the registry
 REGISTRY: dict[str, Codec] = {
     c.name: c
@@ -306,30 +321,8 @@ REGISTRY: dict[str, Codec] = {
         ),
         # 4 and 2 bits a value (plus a scale per 128): for the slowest links, and gradients under error feedback;
         # not among auto's choices (their loss is measured in bench/codecs.py, not yet weighed per link)
-        Codec(
-            "blockwise4",
-            (4 * 8 + LOWBIT_BLOCK * 4) / (8 * LOWBIT_BLOCK),
-            lossy=True,
-            float_only=True,
-            gbps=0.3,
-            auto_roles=(),
-            encode=lambda flat: _encode_lowbit(flat, 4),
-            decode=lambda data, dtype, n: _decode_lowbit(data, dtype, n, 4),
-            size=lambda dtype, n: _lowbit_size(4, n),
-            error_feedback=True,
-        ),
-        Codec(
-            "blockwise2",
-            (4 * 8 + LOWBIT_BLOCK * 2) / (8 * LOWBIT_BLOCK),
-            lossy=True,
-            float_only=True,
-            gbps=0.3,
-            auto_roles=(),
-            encode=lambda flat: _encode_lowbit(flat, 2),
-            decode=lambda data, dtype, n: _decode_lowbit(data, dtype, n, 2),
-            size=lambda dtype, n: _lowbit_size(2, n),
-            error_feedback=True,
-        ),
+        _lowbit_codec(4),
+        _lowbit_codec(2),
     )
 }
 

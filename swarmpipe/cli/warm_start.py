@@ -115,9 +115,9 @@ class WarmStarter:
             raise RuntimeError(f"warm start failed: {reply['error']}")
         return reply
 
-    def start(self, args: list[str], env: dict[str, str], log_path: Path, cwd: str | None = None) -> WarmProcess:
-        """``python -m swarmpipe.cli.main *args`` with ``env`` and its output in ``log_path``, forked warm."""
-        reply = self._ask({"op": "start", "args": args, "env": env, "log": str(log_path), "cwd": cwd or os.getcwd()})
+    def start(self, args: list[str], env: dict[str, str], log_path: Path) -> WarmProcess:
+        """``python -m swarmpipe.cli.main *args`` with ``env``, this directory and its output in ``log_path``."""
+        reply = self._ask({"op": "start", "args": args, "env": env, "log": str(log_path), "cwd": os.getcwd()})
         return WarmProcess(self, int(reply["pid"]))
 
     def exit_code(self, pid: int) -> int | None:
@@ -174,15 +174,19 @@ def _serve(sock: socket.socket) -> dict[str, Any] | None:
         while b"\n" in buffer:
             line, buffer = buffer.split(b"\n", 1)
             request = json.loads(line)
-            if request["op"] == "poll":
-                reply: dict[str, Any] = {"code": exited.get(request["pid"])}
+            if request["op"] == "poll":  # a code is read once: the caller keeps it (WarmProcess.returncode)
+                reply: dict[str, Any] = {"code": exited.pop(request["pid"], None)}
             else:
-                pid = os.fork()
-                if pid == 0:
-                    sock.close()
-                    return request
-                children.add(pid)
-                reply = {"pid": pid}
+                try:
+                    pid = os.fork()
+                except OSError as e:  # out of processes or memory: the caller's start fails, the server goes on
+                    reply = {"error": f"fork: {e}"}
+                else:
+                    if pid == 0:
+                        sock.close()
+                        return request
+                    children.add(pid)
+                    reply = {"pid": pid}
             sock.sendall((json.dumps(reply) + "\n").encode())
 
 

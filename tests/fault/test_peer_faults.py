@@ -31,6 +31,16 @@ AFTER_FAULT = 200
 UNTIL_STOPPED = 1_000_000
 
 
+def _wait_gone(swarm, peer_id: str, since: float, trainer) -> None:
+    """Until the coordinator drops ``peer_id`` (its record lapsed: 10 s without an announcement) after ``since``."""
+    wait_for(
+        lambda: [e for e in events_of(swarm, "peer_gone") if e["peer"] == peer_id and e["time"] > since],
+        60,
+        f"the coordinator to see {peer_id[-6:]} gone",
+        procs=[trainer],
+    )
+
+
 def test_sigkill_one_replica(swarm):
     swarm.start_coordinator()
     swarm.start_peer(0, wait=False)
@@ -72,12 +82,7 @@ def test_sigkill_only_replica_recovers_from_checkpoint(swarm):
     assert trainer.alive(), "the only replica must die mid-run"
     # The replacement starts once the victim's record has lapsed (the coordinator drops it 10 s after its last
     # announcement), so it finds no replica to download from; the trainer waits for stage 1 meanwhile.
-    wait_for(
-        lambda: [e for e in events_of(swarm, "peer_gone") if e["peer"] == victim_id and e["time"] > killed_time],
-        60,
-        "the coordinator to see the only replica gone",
-        procs=[trainer],
-    )
+    _wait_gone(swarm, victim_id, killed_time, trainer)
     waits = [e for e in events_of(swarm, "waiting_for_replica") if e["stage"] == 1 and e["time"] > killed_time]
     assert waits, "the trainer should have said it was waiting for stage 1"
     replacement = swarm.start_peer(1, name="replacement")
@@ -103,12 +108,7 @@ def test_sigstop_replica_is_routed_around_and_rejoins(swarm):
     frozen_time = time.time()
     # Frozen until the coordinator has dropped it (its record lapsed: 10 s without an announcement), well past
     # the 5 s call deadline that the trainer's calls to it hit.
-    wait_for(
-        lambda: [e for e in events_of(swarm, "peer_gone") if e["peer"] == frozen_id and e["time"] > frozen_time],
-        60,
-        "the coordinator to see the frozen replica gone",
-        procs=[trainer],
-    )
+    _wait_gone(swarm, frozen_id, frozen_time, trainer)
     progressed = wait_step(swarm, 0, trainer)
     assert progressed > stopped_at_step + 10, "training must go on while a replica is frozen"
     os.killpg(frozen.proc.pid, signal.SIGCONT)
