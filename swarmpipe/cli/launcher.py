@@ -68,8 +68,8 @@ class ProcessGroup:
         log_path = self.workdir / f"{name}.log"
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **self.env, **(extra_env or {})}
         proc: subprocess.Popen | WarmProcess
-        if warm_start.enabled() and not prefix:
-            proc = WarmStarter.shared(self.workdir).start([role, *args], env, log_path)
+        if warm_start.enabled() and warm_start.takes(prefix):
+            proc = WarmStarter.shared(self.workdir).start([role, *args], env, log_path, prefix)
         else:
             command = [*prefix, sys.executable, "-m", "swarmpipe.cli.main", role, *args]
             with open(log_path, "ab") as log:

@@ -11,6 +11,12 @@ nothing that does not survive fork exists yet; the role then runs ``swarmpipe.cl
 exits through the interpreter's normal shutdown. The forked process's parent is the server, not the caller, so
 :class:`WarmProcess` answers ``poll``/``wait`` by asking the server, which reaps its children.
 
+Two launch prefixes are done in the fork instead of by a new program (:func:`takes`): ``ip netns exec NS`` (the
+fork enters the network namespace, as ``ip`` would; our roles use none of the ``/etc/netns`` or ``/sys`` views it
+also sets up) and ``python SCRIPT ARGS...`` for a wrapper script that ends by running the role's entry point in its
+own process (the tests' Byzantine peers): the fork runs the script as ``__main__`` with the argv it would have had.
+Any other prefix (``taskset``) starts cold.
+
 Opt-in (``SWARMPIPE_WARM_START=1``, set by the test suite's conftest): users start roles as ordinary commands.
 """
 
@@ -28,15 +34,32 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 ENV_FLAG = "SWARMPIPE_WARM_START"
 ROLE_MODULE = "swarmpipe.cli.main"
+NETNS_EXEC = ("ip", "netns", "exec")
+CLONE_NEWNET = 0x40000000
 
 
 def enabled() -> bool:
     return os.environ.get(ENV_FLAG, "") not in ("", "0")
+
+
+def _split_netns(prefix: Sequence[str]) -> tuple[str | None, list[str]]:
+    """``ip netns exec NS REST...`` -> (NS, REST); anything else -> (None, prefix)."""
+    if tuple(prefix[:3]) == NETNS_EXEC and len(prefix) >= 4:
+        return prefix[3], list(prefix[4:])
+    return None, list(prefix)
+
+
+def takes(prefix: Sequence[str]) -> bool:
+    """Whether a warm start does what ``prefix`` would: nothing, entering a network namespace, running this
+    interpreter's wrapper script, or the namespace and then the script."""
+    _netns, rest = _split_netns(prefix)
+    return not rest or (len(rest) >= 2 and rest[0] == sys.executable and rest[1].endswith(".py"))
 
 
 # ------------------------------------------------------------------ the caller's side
@@ -115,9 +138,13 @@ class WarmStarter:
             raise RuntimeError(f"warm start failed: {reply['error']}")
         return reply
 
-    def start(self, args: list[str], env: dict[str, str], log_path: Path) -> WarmProcess:
-        """``python -m swarmpipe.cli.main *args`` with ``env``, this directory and its output in ``log_path``."""
-        reply = self._ask({"op": "start", "args": args, "env": env, "log": str(log_path), "cwd": os.getcwd()})
+    def start(self, args: list[str], env: dict[str, str], log_path: Path, prefix: Sequence[str] = ()) -> WarmProcess:
+        """``[prefix...] python -m swarmpipe.cli.main *args`` with ``env``, this directory and its output in
+        ``log_path``; ``prefix`` is one that :func:`takes`."""
+        if not takes(prefix):
+            raise ValueError(f"a warm start cannot run under {list(prefix)}; start it cold")
+        request = {"op": "start", "args": args, "env": env, "log": str(log_path), "cwd": os.getcwd()}
+        reply = self._ask({**request, "prefix": list(prefix)})
         return WarmProcess(self, int(reply["pid"]))
 
     def exit_code(self, pid: int) -> int | None:
@@ -215,6 +242,42 @@ def _become_role(request: dict[str, Any]) -> None:
     signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
+def _enter_netns(name: str) -> None:
+    """What ``ip netns exec NAME`` does for a network: join the namespace its bind mount names."""
+    fd = os.open(f"/var/run/netns/{name}", os.O_RDONLY)
+    try:
+        if hasattr(os, "setns"):  # Python 3.12+
+            os.setns(fd, CLONE_NEWNET)
+        else:
+            import ctypes
+
+            libc = ctypes.CDLL(None, use_errno=True)
+            if libc.setns(fd, CLONE_NEWNET) != 0:
+                err = ctypes.get_errno()
+                raise OSError(err, f"setns({name}): {os.strerror(err)}")
+    finally:
+        os.close(fd)
+
+
+def _run_role(request: dict[str, Any]) -> None:
+    """The role as main program: its entry point, or the wrapper script that ends by calling it."""
+    netns, wrapper = _split_netns(request.get("prefix", []))
+    if netns is not None:
+        _enter_netns(netns)
+    role_command = [sys.executable, "-m", ROLE_MODULE, *request["args"]]
+    if wrapper:
+        import runpy
+
+        sys.argv = [*wrapper[1:], *role_command]
+        sys.path.insert(0, os.path.dirname(os.path.abspath(wrapper[1])))  # as `python SCRIPT` would
+        runpy.run_path(wrapper[1], run_name="__main__")  # the script's own sys.exit ends the role
+        sys.exit(0)
+    from swarmpipe.cli.main import main as role_main
+
+    sys.argv = [ROLE_MODULE, *request["args"]]
+    sys.exit(role_main(request["args"]))
+
+
 def main() -> None:
     sock = socket.socket(fileno=int(sys.argv[1]))
     _import_everything()
@@ -222,10 +285,7 @@ def main() -> None:
     if request is None:
         os._exit(0)  # nothing to flush or close; a full interpreter shutdown of all those modules takes seconds
     _become_role(request)
-    from swarmpipe.cli.main import main as role_main
-
-    sys.argv = [ROLE_MODULE, *request["args"]]
-    sys.exit(role_main(request["args"]))
+    _run_role(request)
 
 
 if __name__ == "__main__":

@@ -72,3 +72,54 @@ def test_the_launcher_starts_cold_when_warm_starts_are_off(tmp_path: Path, monke
     launched = group.start("cold", "peer", "--no-such-flag")
     assert isinstance(launched.proc, subprocess.Popen)
     assert launched.proc.wait(60) == 2
+
+
+WRAPPER = """
+import os, sys
+from swarmpipe.cli.main import main
+print("wrapper argv:", sys.argv[1:3], "net:", os.readlink("/proc/self/ns/net"), flush=True)
+sys.exit(main(sys.argv[sys.argv.index("swarmpipe.cli.main") + 1 :]))
+"""
+
+
+def test_a_wrapper_script_and_a_network_namespace_run_warm_as_their_prefix_would(
+    starter: WarmStarter, tmp_path: Path
+) -> None:
+    """``python SCRIPT ARGS`` runs the script as __main__ with the argv it would have had cold; ``ip netns exec NS``
+    puts the role in that namespace; both together as the relayed tests use them; other prefixes start cold."""
+    import shutil
+    import sys
+
+    from swarmpipe.cli import warm_start
+
+    script = tmp_path / "wrapper.py"
+    script.write_text(WRAPPER)
+    wrapper = [sys.executable, str(script), "MODE", "--"]
+    assert warm_start.takes(wrapper) and warm_start.takes(["ip", "netns", "exec", "ns", *wrapper])
+    assert not warm_start.takes(["taskset", "-c", "0"]) and not warm_start.takes(["/usr/bin/env", str(script)])
+    with pytest.raises(ValueError, match="start it cold"):
+        starter.start(["identity"], dict(os.environ), tmp_path / "x.log", ["taskset", "-c", "0"])
+
+    log = tmp_path / "wrapped.log"
+    proc = starter.start(["identity", "--identity", str(tmp_path / "k1")], dict(os.environ), log, wrapper)
+    assert proc.wait(60) == 0, log.read_text()
+    own_net = os.readlink("/proc/self/ns/net")
+    assert f"wrapper argv: ['MODE', '--'] net: {own_net}" in log.read_text()
+    assert "peer id: " in log.read_text()
+
+    if os.geteuid() != 0 or shutil.which("ip") is None:
+        pytest.skip("network namespaces need root and iproute2")
+    name = f"warm{os.getpid()}"
+    subprocess.run(["ip", "netns", "add", name], check=True)
+    try:
+        inode = os.stat(f"/var/run/netns/{name}").st_ino
+        log = tmp_path / "netns.log"
+        prefix = ["ip", "netns", "exec", name, *wrapper]
+        proc = starter.start(["identity", "--identity", str(tmp_path / "k2")], dict(os.environ), log, prefix)
+        assert proc.wait(60) == 0, log.read_text()
+        assert f"net: net:[{inode}]" in log.read_text()
+        log = tmp_path / "missing.log"  # a namespace that is gone: the role fails with the reason, the server goes on
+        proc = starter.start(["identity"], dict(os.environ), log, ["ip", "netns", "exec", f"{name}-gone"])
+        assert proc.wait(60) == 1 and "No such file" in log.read_text()
+    finally:
+        subprocess.run(["ip", "netns", "del", name], check=False)
