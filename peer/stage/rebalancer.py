@@ -2,7 +2,8 @@
 
 Every randomized period (so peers do not decide in lockstep), a peer reads every
 stage's total throughput; :func:`swarmpipe.peer.swarm.balance.rebalance_target` applies the
-hysteresis. A move: announce ``joining`` on the target stage at once (so other
+hysteresis, and lets one replica per stage leave in each turn (a window of one period): three replicas of a light
+stage that all saw the same heavy stage once moved within half a second and left their stage empty. A move: announce ``joining`` on the target stage at once (so other
 peers count us there and do not pile on), load the target's state while still
 serving the old stage, then drain the old stage, hand its state to a replica,
 and switch. A cooldown after each move stops flapping.
@@ -13,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+import time
 
 from swarmpipe.peer.stage.handoff import hand_off_state, load_initial_state
 from swarmpipe.peer.stage.lifecycle import StageHost
@@ -39,12 +41,13 @@ class Rebalancer:
                 self.cooldown -= 1
                 continue
             try:
-                target = await self.check()
+                turn = int(time.time() // period)
+                target = await self.check(turn)
                 if target is not None:
-                    # Look again after a random pause: a peer that decided at the same moment has
-                    # announced itself at the target by then, and the second look sees it (no stampede).
+                    # Look again after a random pause: a peer of another stage that decided at the same moment
+                    # has announced itself at the target by then, and the second look sees it.
                     await asyncio.sleep(self.rng.uniform(1.0, 4.0))
-                    if await self.check() == target:
+                    if await self.check(turn) == target:
                         await self.move(target)
                         self.cooldown = COOLDOWN_PERIODS
             except asyncio.CancelledError:
@@ -52,7 +55,7 @@ class Rebalancer:
             except Exception as e:  # a failed check or move leaves us serving where we are
                 self.host.events.emit("rebalance_failed", level=logging.WARNING, error=str(e)[:300])
 
-    async def check(self) -> int | None:
+    async def check(self, turn: int | None = None) -> int | None:
         if self.host.lifecycle.state is not PeerState.ONLINE:
             return None
         runtime = self.host.runtime
@@ -66,7 +69,7 @@ class Rebalancer:
         def estimate(target: int) -> float:
             return mine * stage_cost(spec, runtime.stage) / stage_cost(spec, target)
 
-        return rebalance_target(stages, runtime.stage, self.host.events.peer_id, mine, estimate=estimate)
+        return rebalance_target(stages, runtime.stage, self.host.events.peer_id, mine, estimate=estimate, turn=turn)
 
     async def move(self, target: int) -> None:
         host = self.host

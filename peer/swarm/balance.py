@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import random
 from collections.abc import Callable
 
@@ -56,14 +57,19 @@ def rebalance_target(
     my_throughput: float,
     margin: float = 1.25,
     estimate: Callable[[int], float] | None = None,
+    turn: int | None = None,
 ) -> int | None:
     """Stage to move to, or None. Moving must raise the slowest stage by ``margin`` (hysteresis)
     and must not make the stage we leave the new bottleneck, so peers do not flap.
-    ``estimate(target)`` is our throughput there (default: the same as here)."""
+    ``estimate(target)`` is our throughput there (default: the same as here). ``turn``: the rebalancing
+    window (wall clock // period): only the replica :func:`mover` names for it may leave this stage, so replicas
+    that all see the same imbalance at the same moment do not all move (None: any replica may)."""
     totals = stage_throughputs(stages)
     live_here = [pid for pid, r in stages[my_stage].items() if r.state is not PeerState.DRAINING]
     if len(live_here) < 2 or my_peer_id not in live_here:
         return None  # never leave a stage without a live replica
+    if turn is not None and mover(live_here, turn) != my_peer_id:
+        return None
     slowest = min(range(len(totals)), key=totals.__getitem__)
     if slowest == my_stage:
         return None
@@ -73,3 +79,9 @@ def rebalance_target(
     if min(after) >= margin * totals[slowest]:
         return slowest
     return None
+
+
+def mover(peer_ids: list[str], turn: int) -> str:
+    """The one replica of a stage that may leave it in ``turn``: a hash of the turn and the ids, so every peer that
+    sees the same replicas names the same one, and the choice rotates from turn to turn."""
+    return min(peer_ids, key=lambda pid: hashlib.sha256(f"{turn}:{pid}".encode()).digest())

@@ -7,7 +7,13 @@ from collections import Counter
 
 import pytest
 
-from swarmpipe.peer.swarm.balance import NEW_PEER_THROUGHPUT, choose_stage, rebalance_target, stage_throughputs
+from swarmpipe.peer.swarm.balance import (
+    NEW_PEER_THROUGHPUT,
+    choose_stage,
+    mover,
+    rebalance_target,
+    stage_throughputs,
+)
 from swarmpipe.peer.swarm.records import StageRecord
 
 pytestmark = pytest.mark.unit
@@ -148,3 +154,21 @@ def test_after_a_move_the_peer_does_not_move_back() -> None:
 def test_never_leaves_a_stage_whose_other_replicas_are_draining() -> None:
     stages = [with_me(10.0, draining=(10.0,)), {}]
     assert rebalance_target(stages, 0, "me", 10.0) is None
+
+
+def test_one_replica_of_a_stage_may_leave_per_turn() -> None:
+    """Three replicas of a light stage see the same heavy stage at once (a fault run saw all three move within
+    half a second and empty their stage): in any turn exactly one of them is the mover, every one of them agrees
+    which, and over turns each gets its chance."""
+    ids = ["a", "b", "c"]
+    movers = set()
+    for turn in range(40):
+        wanting = []
+        for me in ids:
+            stages = [{pid: rec(10.0) for pid in ids}, stage(5.0, prefix="x")]
+            if rebalance_target(stages, 0, me, 10.0, turn=turn) == 1:
+                wanting.append(me)
+        assert wanting == [mover(ids, turn)]
+        movers.add(wanting[0])
+    assert movers == set(ids)
+    assert mover(ids, 7) == mover(list(reversed(ids)), 7)  # the order a peer lists them in does not matter
