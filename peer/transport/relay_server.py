@@ -117,9 +117,11 @@ class RelayServicer:
 
     # ------------------------------------------------------------ the control stream
     async def Tunnel(self, request_iterator, context):
+        # Refusals come after the first message is read: a refusal before it races the caller's write, which then
+        # fails as "INTERNAL: Internal error from Core" and the caller never learns why.
+        first = await _first(request_iterator, context)
         if self.capacity <= 0:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this node does not relay (--relay-capacity 0)")
-        first = await _first(request_iterator, context)
         peer_id = first.peer_id
         if not _PEER_ID.match(peer_id):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "Tunnel: the first message must carry a peer id")
