@@ -29,6 +29,10 @@ class Swarm(LocalSwarm):
     """A LocalSwarm for run ``test`` whose coordinator gets the template spec unless given one."""
 
     run_id: str = "test"
+    # A peer that holds forwards whose backward never comes (a hostile caller's, a stopped trainer's) drains for
+    # the whole --drain-timeout (20 s) at teardown, past the launcher's 10 s grace; 3 s is what a test's
+    # in-flight backward needs. Tests about draining pass their own (a later flag wins).
+    peer_drain_timeout: float | None = 3.0
 
     def start_coordinator(
         self, spec: Path | None = None, *args: str, wait: bool = True, http_port: int = 0, timeout: float = 60

@@ -106,6 +106,7 @@ class LocalSwarm:
     host: str = "127.0.0.1"
     peer_announce_period: float | None = 1.0  # fast re-announcements: tests and benches see changes in seconds
     trainer_announce_period: float | None = 1.0
+    peer_drain_timeout: float | None = None  # a peer's --drain-timeout (None: the role's default)
     checkpoints: bool = True  # the coordinator keeps checkpoints in workdir/checkpoints
     prefix: list[str] = field(default_factory=list)
     group: ProcessGroup = field(init=False)
@@ -201,6 +202,7 @@ class LocalSwarm:
             "--host",
             host or self.host,
             *_announce(self.peer_announce_period),
+            *_drain(self.peer_drain_timeout),
             *args,
             prefix=prefix,
         )
@@ -292,3 +294,7 @@ class LocalSwarm:
 
 def _announce(period: float | None) -> list[str]:
     return [] if period is None else ["--announce-period", f"{period:g}"]
+
+
+def _drain(timeout: float | None) -> list[str]:
+    return [] if timeout is None else ["--drain-timeout", f"{timeout:g}"]
