@@ -9,6 +9,9 @@ not at all (it exits with advice).
 3. Relayed: a tunnel to a relay with free capacity (peer/transport/relay_client.py); when the relay goes
    away, :meth:`ServingAddress.keep_relayed` finds another one and the peer re-announces at once.
 No checker in the swarm yet (its first node): announce as configured, unless that address cannot work.
+Unreachable with ``--relay auto`` while no relay has room (a home peer started before the public peers that
+relay): the peer waits, says so, and checks again with backoff, as a trainer waits for replicas; only
+``--relay off`` exits with advice.
 """
 
 from __future__ import annotations
@@ -28,10 +31,15 @@ from swarmpipe.peer.transport.relay_client import RelayError, RelayTunnel
 
 log = logging.getLogger("swarmpipe.peer")
 RETRY_S = 2.0
+MAX_RETRY_S = 30.0  # the longest wait between two looks for a relay with room
 
 
 class NotReachable(LookupError):
     """Nobody can dial this peer and no relay will carry it: the message says what to change."""
+
+
+class NoRelayYet(NotReachable):
+    """Unreachable, and no relay has room now: worth waiting for one (``--relay auto``)."""
 
 
 def advice(address: str, port: int, dht_port: int, why: str, relay: str) -> str:
@@ -39,7 +47,8 @@ def advice(address: str, port: int, dht_port: int, why: str, relay: str) -> str:
     relay_hint = (
         "start with --relay auto (a peer started with --relay-capacity N relays you; none has room now)"
         if relay == "off"
-        else "no relay in the swarm has free capacity now: ask for one (any public peer: --relay-capacity N) or retry later"
+        else "wait: no relay in the swarm has free capacity now, and this peer looks again with backoff until one "
+        "has (any public peer relays others with --relay-capacity N)"
     )
     return (
         f"the swarm cannot dial this peer at {address} ({why}). Fix one of: "
@@ -88,7 +97,28 @@ class ServingAddress:
 
     async def establish(self) -> str:
         """The address to announce; '' when it must be a relay's (then :meth:`relay`, which the daemon calls
-        after restarting its DHT node in client mode); :class:`NotReachable` when there is none."""
+        after restarting its DHT node in client mode); :class:`NotReachable` when there is none (``--relay off``).
+        While no relay has room, checks again with backoff (a checker or a relay may appear meanwhile)."""
+        return await self._with_backoff(self._establish_once)
+
+    async def _with_backoff(self, attempt: Callable[[], Awaitable[str]]) -> str:
+        delay, waited = RETRY_S, 0.0
+        while True:
+            try:
+                return await attempt()
+            except NoRelayYet as e:
+                self.events.emit(
+                    "waiting_for_relay",
+                    level=logging.WARNING,
+                    retry_in_s=round(delay, 1),
+                    waited_s=round(waited, 1),
+                    advice=str(e)[:800],
+                )
+            await asyncio.sleep(delay)
+            waited += delay
+            delay = min(2 * delay, MAX_RETRY_S)
+
+    async def _establish_once(self) -> str:
         cfg = self.cfg
         if cfg.relay == "always":
             self.relay_reason = "--relay always"
@@ -125,14 +155,14 @@ class ServingAddress:
             return self._direct(candidate)  # nothing says it fails: the swarm's first node, or checks are off
         if cfg.relay == "off":
             raise NotReachable(advice(candidate, self.port, cfg.dht_port, problem, "off"))
-        if not await self._relays(frozenset()):  # say so now, not after restarting the DHT node
-            raise NotReachable(advice(candidate, self.port, cfg.dht_port, problem, cfg.relay))
+        if not await self._relays(frozenset()):  # wait for one now, not after restarting the DHT node
+            raise NoRelayYet(advice(candidate, self.port, cfg.dht_port, problem, cfg.relay))
         self.relay_reason = problem
         return ""
 
     async def relay(self) -> str:
-        """Serve through a relay (after :meth:`establish` returned ''): the relayed address."""
-        return await self._relay(self.relay_reason)
+        """Serve through a relay (after :meth:`establish` returned ''): the relayed address, once one takes us."""
+        return await self._with_backoff(lambda: self._relay(self.relay_reason))
 
     def _direct(self, address: str) -> str:
         self.address = address
@@ -163,7 +193,7 @@ class ServingAddress:
             self.events.emit("relayed", relay=peer[-6:], relay_address=record.address, address=address, why=why[:160])
             return address
         detail = "; ".join(tried) or "no relay with free capacity in the swarm"
-        raise NotReachable(
+        raise NoRelayYet(
             advice(join_host_port(self.host or "?", self.port), self.port, self.cfg.dht_port, why, self.cfg.relay)
             + f" [{detail}]"
         )

@@ -12,6 +12,7 @@ SLOWEST_FIRST = (
     "test_relayed_hop.py",
     "test_relayed_peer.py",
     "test_rebalance.py",
+    "test_home_peers.py",
     "test_peer_faults.py",
     "test_join_while_coordinator_down.py",
     "test_averaging_member_vanishes.py",

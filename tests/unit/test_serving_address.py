@@ -86,3 +86,40 @@ async def test_reachable_announces_the_configured_address(monkeypatch):
     serving = _serving(monkeypatch, verdict, ["8.8.4.4"])
     serving.cfg.announce_host = "1.1.1.1"
     assert await serving.establish() == "1.1.1.1:4000"
+
+
+async def test_unreachable_with_relays_auto_waits_for_a_relay_with_backoff(monkeypatch):
+    """A home peer started before any relay has room (issue 30): it says so, looks again 2, 4, 8 ... s later
+    (capped) and goes on once a relay has room, instead of exiting."""
+    verdict = Verdict(UNREACHABLE, "1.1.1.1", detail="0.0.0.0:4000: not dialled")
+    serving = _serving(monkeypatch, verdict, ["8.8.4.4"])
+    serving.cfg.relay = "auto"
+    looks = {"n": 0}
+    full_until = 3
+
+    class _Filling(_Swarm):
+        async def relays(self):
+            looks["n"] += 1
+
+            class Record:
+                address, free = "8.8.4.4:7000", 0 if looks["n"] <= 2 * full_until else 1
+
+            return {"QmChecker": Record()}
+
+    serving.swarm = _Filling()
+    slept = []
+
+    async def sleep(seconds):
+        slept.append(seconds)
+
+    monkeypatch.setattr(serving_address.asyncio, "sleep", sleep)
+    assert await serving.establish() == ""  # a relay has room now: the daemon goes on to serve through it
+    waits = [fields for kind, fields in serving.events.emitted if kind == "waiting_for_relay"]
+    assert len(waits) == full_until and slept == [2.0, 4.0, 8.0]
+    assert [w["retry_in_s"] for w in waits] == slept and "--relay-capacity" in waits[0]["advice"]
+    monkeypatch.setattr(serving_address, "MAX_RETRY_S", 5.0)
+    serving.events.emitted.clear()
+    slept.clear()
+    looks["n"] = 0
+    assert await serving.establish() == ""
+    assert slept == [2.0, 4.0, 5.0]  # capped
