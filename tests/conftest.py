@@ -7,6 +7,7 @@ import os
 from pathlib import Path
 
 import pytest
+from browser_support import chromium_path
 from swarm_support import Swarm
 
 # Roles fork from one warm server per test process instead of importing torch and hivemind again each time
@@ -32,3 +33,9 @@ def _collect_grpc_leftovers(request):
     yield
     if request.node.get_closest_marker("unit") is None:
         gc.collect()
+
+
+@pytest.fixture(scope="session")
+def chromium() -> str:
+    """Headless Chromium for the page tests (tests/browser_support.py)."""
+    return chromium_path()
