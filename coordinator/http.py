@@ -21,6 +21,7 @@ import socket
 import sys
 import threading
 import time
+from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, HTTPServer
 from importlib import resources
 from typing import Any
@@ -39,11 +40,11 @@ PROBE_PATHS = frozenset({"/healthz", "/metrics"})
 BUSY = b"HTTP/1.0 503 Service Unavailable\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
 
 
-def _dashboard_file(name: str) -> bytes | None:
+def _dashboard_file(name: str, folder: str = "dashboard") -> bytes | None:
     if "/" in name or name.startswith("."):
         return None
     try:
-        return resources.files("swarmpipe.coordinator").joinpath("dashboard", name).read_bytes()
+        return resources.files("swarmpipe.coordinator").joinpath(*folder.split("/"), name).read_bytes()
     except (FileNotFoundError, OSError, IsADirectoryError):
         return None
 
@@ -132,6 +133,10 @@ class BoundedHTTPServer(HTTPServer):
 
 
 class SwarmHttpServer:
+    """``coordinator``'s JSON API, metrics and dashboard; or, given ``routes`` (path -> () -> (content type,
+    body)) and ``static_folder`` (under swarmpipe.coordinator), another read-only page such as the health monitor's,
+    with the same connection bounds."""
+
     def __init__(
         self,
         coordinator: Any,
@@ -141,6 +146,8 @@ class SwarmHttpServer:
         request_timeout_s: float = REQUEST_TIMEOUT_S,
         max_connections: int = MAX_CONNECTIONS,
         metrics: CoordinatorMetrics | None = None,
+        routes: Callable[[], dict[str, Any]] | None = None,
+        static_folder: str = "dashboard",
     ):
         self.coordinator = coordinator
         self.host = host
@@ -148,9 +155,13 @@ class SwarmHttpServer:
         self.request_timeout_s = request_timeout_s
         self.max_connections = max_connections
         self.httpd: BoundedHTTPServer | None = None
-        self.metrics = metrics or CoordinatorMetrics(coordinator)
+        self.static_folder = static_folder
+        self._routes = routes
+        self.metrics = metrics or (CoordinatorMetrics(coordinator) if routes is None else None)
 
     def routes(self) -> dict[str, Any]:
+        if self._routes is not None:
+            return self._routes()
         c = self.coordinator
         return {
             "/api/swarm": lambda: ("application/json", json.dumps(c.snapshot).encode()),
@@ -183,13 +194,8 @@ class SwarmHttpServer:
                 if route is not None:
                     content_type, body = route()
                     return self._send(200, content_type, body)
-                extra = getattr(server.coordinator, "http_extra", None)
-                if extra is not None:
-                    found = extra(path)
-                    if found is not None:
-                        return self._send(200, *found)
                 name = "index.html" if path in ("/", "") else path.lstrip("/").removeprefix("dashboard/")
-                body = _dashboard_file(name)
+                body = _dashboard_file(name, server.static_folder)
                 if body is None:
                     return self._send(404, "application/json", json.dumps({"error": f"no such path {path}"}).encode())
                 self._send(200, mimetypes.guess_type(name)[0] or "application/octet-stream", body)

@@ -160,6 +160,23 @@ class StatusConfig:
 
 
 @dataclass
+class MonitorConfig:
+    initial_peers: list[str] = opt([], "multiaddrs of DHT peers to read from (default: the --swarm bootstrap list)")
+    swarm: str = opt("public", "named swarm whose bootstrap list to use")
+    run_id: str = opt("", "run to show (default: every run in the swarm index a trusted coordinator lists)")
+    coordinator_id: list[str] = opt([], "peer ids of trusted coordinators (default: the peer ids in --initial-peers)")
+    host: str = opt("127.0.0.1", "interface to serve the page on (0.0.0.0: everyone)")
+    http_port: int = opt(8090, "HTTP port of the health page and /api/monitor (0 picks a free one)")
+    refresh: float = opt(15.0, "seconds between reads of the DHT")
+    probe: bool = opt(True, "dial every announced peer once per refresh (reachability history)")
+    ready_file: str = opt("", "write the page's URL here once it serves")
+    auth_token: str = opt("", "private swarm: show only records proven with this shared secret")
+    auth_token_file: str = opt("", "private swarm: read the shared secret from this file")
+    allow_peers: str = opt("", "private swarm: show only records of the peers listed in this file")
+    log_level: str = opt("INFO", "logging level")
+
+
+@dataclass
 class HealthcheckConfig:
     address: str = opt("", "gRPC address of a peer (host:port) to ask for Info")
     url: str = opt("", "HTTP URL that must answer 200 (e.g. a coordinator's /api/swarm)")

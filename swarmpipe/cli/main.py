@@ -18,6 +18,7 @@ from swarmpipe.peer.config import (
     CoordinatorConfig,
     DemoConfig,
     HealthcheckConfig,
+    MonitorConfig,
     PeerConfig,
     StatusConfig,
     TrainerConfig,
@@ -59,6 +60,12 @@ def cmd_demo(cfg: DemoConfig) -> int:
     from swarmpipe.cli.demo import run_demo
 
     return run_demo(cfg)
+
+
+def cmd_monitor(cfg: MonitorConfig) -> int:
+    from swarmpipe.coordinator.monitor.service import run_monitor
+
+    return run_monitor(cfg)
 
 
 def cmd_status(cfg: StatusConfig) -> int:
@@ -178,6 +185,7 @@ COMMANDS: dict[str, tuple[type, Callable[[Any], int], str]] = {
     "coordinator": (CoordinatorConfig, cmd_coordinator, "bootstrap the DHT, publish the spec, serve the dashboard"),
     "demo": (DemoConfig, cmd_demo, "run a whole swarm on 127.0.0.1 and train it"),
     "status": (StatusConfig, cmd_status, "show the swarm as a table, read from the DHT"),
+    "monitor": (MonitorConfig, cmd_monitor, "serve a health page of every trusted run in the swarm, read from the DHT"),
     "healthcheck": (HealthcheckConfig, cmd_healthcheck, "exit 0 when a peer or coordinator answers"),
     "export": (ExportConfig, cmd_export, "write a checkpoint as a Hugging Face model folder"),
     "tokenize": (TokenizeConfig, cmd_tokenize, "tokenize text into a token file for training"),
@@ -201,7 +209,9 @@ def main(argv: list[str] | None = None) -> int:
     cls, handler, _ = COMMANDS[args.command]
     try:
         cfg = resolve(cls, args, file_section=args.command)
-        if isinstance(cfg, (CommonConfig, StatusConfig)):  # private swarms: token / allow-list / TLS of this process
+        if isinstance(
+            cfg, (CommonConfig, StatusConfig, MonitorConfig)
+        ):  # private swarms: token / allow-list / TLS of this process
             from swarmpipe.peer.swarm.access import SwarmAccess, install_access
 
             install_access(SwarmAccess.from_config(cfg))
