@@ -5,8 +5,10 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import os
 from collections.abc import Sequence
 from importlib import resources
+from pathlib import Path
 from typing import Any
 
 import hivemind
@@ -24,12 +26,37 @@ FIND_OR_START = (
 )
 
 
+SWARMS_DIR_ENV = "SWARMPIPE_SWARMS_DIR"  # folder of <name>.txt bootstrap lists, looked at before the shipped ones
+SWARMS_DIRS = ("/etc/swarmpipe/swarms",)
+
+
+def bootstrap_list_file(swarm: str) -> Path | None:
+    """Where ``--swarm`` points: a list file given by path, else ``<name>.txt`` in ``$SWARMPIPE_SWARMS_DIR`` or
+    /etc/swarmpipe/swarms (an organizer's list mounted into a container), else None (the shipped lists)."""
+    if "/" in swarm or swarm.endswith(".txt"):
+        return Path(swarm)
+    folders = [os.environ[SWARMS_DIR_ENV]] if os.environ.get(SWARMS_DIR_ENV) else []
+    for folder in [*folders, *SWARMS_DIRS]:
+        candidate = Path(folder) / f"{swarm}.txt"
+        if candidate.is_file():
+            return candidate
+    return None
+
+
 def bootstrap_peers(swarm: str) -> list[str]:
-    """The shipped bootstrap list of a named swarm (``peer/swarm/bootstrap/<swarm>.txt``)."""
+    """The bootstrap list of a named swarm: :func:`bootstrap_list_file`, else the one shipped in
+    ``peer/swarm/bootstrap/<swarm>.txt``. One multiaddr per line; any of them lets a node in, and the peer id of
+    each is trusted as a coordinator (several organizers' bootstrap nodes in one list)."""
+    path = bootstrap_list_file(swarm)
     try:
-        text = resources.files(__package__).joinpath("bootstrap", f"{swarm}.txt").read_text()
-    except (FileNotFoundError, OSError):
-        raise ValueError(f"no bootstrap list is shipped for swarm {swarm!r}. {FIND_OR_START}") from None
+        if path is not None:
+            text = path.read_text()
+        else:
+            text = resources.files(__package__).joinpath("bootstrap", f"{swarm}.txt").read_text()
+    except (FileNotFoundError, OSError) as e:
+        if path is None:
+            raise ValueError(f"no bootstrap list is shipped for swarm {swarm!r}. {FIND_OR_START}") from None
+        raise ValueError(f"the bootstrap list {path} cannot be read ({e.strerror or e}). {FIND_OR_START}") from None
     return [line.strip() for line in text.splitlines() if line.strip() and not line.lstrip().startswith("#")]
 
 

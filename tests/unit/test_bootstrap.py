@@ -84,6 +84,23 @@ def test_unknown_swarm_with_patched_package(shipped: Path) -> None:
         bootstrap_peers("missing")
 
 
+def test_an_organizers_list_by_path_or_by_name_in_the_swarms_folder(tmp_path: Path, monkeypatch) -> None:
+    """A volunteer joins with nothing but --swarm: a list file given by path, or <name>.txt in
+    $SWARMPIPE_SWARMS_DIR (a folder mounted into a container), before the shipped lists."""
+    folder = tmp_path / "swarms"
+    folder.mkdir()
+    (folder / "public.txt").write_text(
+        "# the organizers' nodes\n/ip4/1.2.3.4/tcp/31337/p2p/QmA\n/ip4/5.6.7.8/tcp/31337/p2p/QmB\n"
+    )
+    monkeypatch.setenv("SWARMPIPE_SWARMS_DIR", str(folder))
+    assert bootstrap_peers("public") == ["/ip4/1.2.3.4/tcp/31337/p2p/QmA", "/ip4/5.6.7.8/tcp/31337/p2p/QmB"]
+    assert bootstrap_peers(str(folder / "public.txt")) == bootstrap_peers("public")
+    monkeypatch.delenv("SWARMPIPE_SWARMS_DIR")
+    assert bootstrap_peers("public") == []  # the shipped one again
+    with pytest.raises(ValueError, match=r"the bootstrap list .*nowhere.txt cannot be read"):
+        bootstrap_peers(str(tmp_path / "nowhere.txt"))
+
+
 # ------------------------------------------------------------------ neediest_run
 
 
