@@ -5,7 +5,7 @@
 #
 # 1. Announce an address other containers can dial: when SWARMPIPE_HOST is 0.0.0.0
 #    and SWARMPIPE_ANNOUNCE_HOST is unset, announce this container's IPv4 address.
-# 2. Find the swarm: for peer / train / status without SWARMPIPE_INITIAL_PEERS (or
+# 2. Find the swarm: for peer / train / status / monitor without SWARMPIPE_INITIAL_PEERS (or
 #    --initial-peers), wait for the coordinator's peers file SWARMPIPE_PEERS_FILE
 #    (a volume shared with the coordinator, which writes it) and join the
 #    multiaddrs listed there. SWARMPIPE_PEERS_FILE_WAIT bounds the wait (seconds, default 300).
@@ -46,7 +46,7 @@ if [ -z "${SWARMPIPE_ANNOUNCE_HOST:-}" ] && [ "${SWARMPIPE_HOST:-}" = "0.0.0.0" 
 fi
 
 case "$role" in
-    peer|train|status)
+    peer|train|status|monitor)
         if [ -z "${SWARMPIPE_INITIAL_PEERS:-}" ] && [ -n "${SWARMPIPE_PEERS_FILE:-}" ] && ! has_flag --initial-peers "$@"; then
             file=$SWARMPIPE_PEERS_FILE
             wait_s=${SWARMPIPE_PEERS_FILE_WAIT:-300}
