@@ -33,7 +33,9 @@ def test_the_compose_services_set_only_flags_their_role_has_and_keep_state_on_vo
     for name, role in ROLES.items():
         service = services[name]
         assert service["command"] == [name] and service["restart"] == "unless-stopped"
-        unknown = {k for k in service["environment"] if k.startswith("SWARMPIPE_")} - _flags(role) - ENTRYPOINT_VARIABLES
+        unknown = (
+            {k for k in service["environment"] if k.startswith("SWARMPIPE_")} - _flags(role) - ENTRYPOINT_VARIABLES
+        )
         assert not unknown, f"{name}: {unknown} are not flags of swarmpipe {name}"
         assert "healthcheck" in service["healthcheck"]["test"]
     coordinator = services["coordinator"]["environment"]
