@@ -164,8 +164,11 @@ class Coordinator:
         if self.grpc_address and not is_wildcard(self.grpc_address.rsplit(":", 1)[0]):  # peers ask us to dial them
             record = relay_record(self.relay, self.grpc_address, role="coordinator")
             await self.swarm.announce_relay(record, ttl=max(ttl, 60))
-        if self.grpc_address and (self.last_checkpoint is not None or self.base is not None):
-            # with a base checkpoint and no checkpoint yet: every stage's version -1, the address serves the base
+        if self.grpc_address and (self.last_checkpoint is not None or self.base is not None or self.store is not None):
+            # No checkpoint yet: every stage's version -1 (joiners take nothing from it), but the address is where a
+            # leaving replica hands its state when no sibling can take it, from the first minute (it used to be
+            # unpublished until the first checkpoint, and the only replica of a stage leaving before it lost its
+            # state), and where the base weights are served when there are any.
             await self._publish_checkpoint(self.last_checkpoint or {"step": 0, "stages": {}})
 
     async def _publish_loop(self) -> None:

@@ -58,7 +58,8 @@ function peerTable(run) {
 function runSection(run) {
   const model = run.model ? `${run.model.family}, d_model ${run.model.d_model}, ${run.model.n_layers} layers` +
     (run.model.finetune === "lora" ? ", LoRA" : "") : "spec not found";
-  const ckpt = run.checkpoint ? `checkpoint step ${run.checkpoint.step}, ${ago(run.checkpoint.created_at)}`
+  const saved = run.checkpoint && run.checkpoint.versions.some((v) => v >= 0);
+  const ckpt = saved ? `checkpoint step ${run.checkpoint.step}, ${ago(run.checkpoint.created_at)}`
     : "no checkpoint yet";
   const trainers = run.trainers.map((t) => `trainer ${t.peer_id.slice(-6)}: step ${t.step}` +
     (t.loss === null ? "" : `, loss ${t.loss.toFixed(3)}`) + `, ${t.samples_per_s.toFixed(1)} samples/s`);
