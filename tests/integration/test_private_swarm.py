@@ -114,7 +114,11 @@ async def _refused_everywhere(security: Security, addresses: list[str]) -> None:
 
 def _assert_trained(report: dict, steps: int) -> None:
     assert report["microbatches_completed"] == steps and report["microbatches_lost"] == 0, report
-    assert report["loss_last"] < report["loss_first"], report
+    # the first and last tenth's means, not two single micro-batches' losses (5.14 -> 5.63 once, by noise)
+    losses = report["losses"]
+    tenth = max(1, len(losses) // 10)
+    first, last = sum(losses[:tenth]) / tenth, sum(losses[-tenth:]) / tenth
+    assert last < first, (first, last, {k: v for k, v in report.items() if k != "losses"})
 
 
 def _checkpoint_server(swarm) -> str:
