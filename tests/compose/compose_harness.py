@@ -390,8 +390,16 @@ class Stack:
     def kill(self, cid: str) -> None:
         sh(["docker", "kill", cid])
 
-    def pause(self, cid: str) -> None:
-        sh(["docker", "pause", cid])
+    def pause(self, cid: str, attempts: int = 3) -> None:
+        """``docker pause``, again when the kernel's cgroup freezer did not settle ("OCI runtime pause failed:
+        unable to freeze", seen once on the CI-like machine while the container's processes were busy)."""
+        for attempt in range(attempts):
+            result = sh(["docker", "pause", cid], check=False)
+            if result.returncode == 0:
+                return
+            if "unable to freeze" not in result.stderr or attempt == attempts - 1:
+                raise HarnessError(f"exit {result.returncode}: docker pause {cid}\n{result.stderr[-2000:]}")
+            time.sleep(1.0)
 
     def unpause(self, cid: str) -> None:
         sh(["docker", "unpause", cid])
