@@ -146,33 +146,33 @@ class DemoConfig:
 
 
 @dataclass
-class StatusConfig:
-    initial_peers: list[str] = opt([], "multiaddrs of DHT peers to read from")
+class SwarmReaderConfig:
+    """What every read-only view of the swarm needs: where the DHT is, whose records to trust, a private swarm's
+    credentials (``status``, ``monitor``)."""
+
+    initial_peers: list[str] = opt([], "multiaddrs of DHT peers to read from (default: the --swarm bootstrap list)")
     swarm: str = opt("public", "named swarm whose bootstrap list to use")
-    run_id: str = opt("", "run to show (default: every run in the swarm index)")
+    run_id: str = opt("", "run to show (default: every run in the swarm index a trusted coordinator lists)")
     coordinator_id: list[str] = opt([], "peer ids of trusted coordinators (default: the peer ids in --initial-peers)")
-    coordinator: str = opt("", "read from a coordinator's HTTP API instead (http://host:port)")
     auth_token: str = opt("", "private swarm: show only records proven with this shared secret")
     auth_token_file: str = opt("", "private swarm: read the shared secret from this file")
     allow_peers: str = opt("", "private swarm: show only records of the peers listed in this file")
+
+
+@dataclass
+class StatusConfig(SwarmReaderConfig):
+    coordinator: str = opt("", "read from a coordinator's HTTP API instead (http://host:port)")
     json: bool = opt(False, "print JSON instead of a table")
     log_level: str = opt("WARNING", "logging level")
 
 
 @dataclass
-class MonitorConfig:
-    initial_peers: list[str] = opt([], "multiaddrs of DHT peers to read from (default: the --swarm bootstrap list)")
-    swarm: str = opt("public", "named swarm whose bootstrap list to use")
-    run_id: str = opt("", "run to show (default: every run in the swarm index a trusted coordinator lists)")
-    coordinator_id: list[str] = opt([], "peer ids of trusted coordinators (default: the peer ids in --initial-peers)")
+class MonitorConfig(SwarmReaderConfig):
     host: str = opt("127.0.0.1", "interface to serve the page on (0.0.0.0: everyone)")
     http_port: int = opt(8090, "HTTP port of the health page and /api/monitor (0 picks a free one)")
     refresh: float = opt(15.0, "seconds between reads of the DHT")
     probe: bool = opt(True, "dial every announced peer once per refresh (reachability history)")
     ready_file: str = opt("", "write the page's URL here once it serves")
-    auth_token: str = opt("", "private swarm: show only records proven with this shared secret")
-    auth_token_file: str = opt("", "private swarm: read the shared secret from this file")
-    allow_peers: str = opt("", "private swarm: show only records of the peers listed in this file")
     log_level: str = opt("INFO", "logging level")
 
 

@@ -21,6 +21,7 @@ from swarmpipe.peer.config import (
     MonitorConfig,
     PeerConfig,
     StatusConfig,
+    SwarmReaderConfig,
     TrainerConfig,
     opt,
 )
@@ -209,9 +210,7 @@ def main(argv: list[str] | None = None) -> int:
     cls, handler, _ = COMMANDS[args.command]
     try:
         cfg = resolve(cls, args, file_section=args.command)
-        if isinstance(
-            cfg, (CommonConfig, StatusConfig, MonitorConfig)
-        ):  # private swarms: token / allow-list / TLS of this process
+        if isinstance(cfg, (CommonConfig, SwarmReaderConfig)):  # private swarms: token / allow-list / TLS
             from swarmpipe.peer.swarm.access import SwarmAccess, install_access
 
             install_access(SwarmAccess.from_config(cfg))

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from netns_nat import NamespaceNat
 
 # Run first (in this order), so the two workers of `-n 2` end together instead of one running a minute-long
 # scenario alone at the end. A stale list costs only time.
@@ -26,3 +27,15 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     ordered = sorted((items[i] for i in slots), key=lambda item: rank.get(item.path.name, len(rank)))
     for i, item in zip(slots, ordered, strict=True):
         items[i] = item
+
+
+@pytest.fixture
+def nat():
+    """A home network behind a NAT gateway (tests/netns_nat.py), deleted after the test; tests that take it skip
+    themselves where namespaces cannot be made (``netns_nat.unavailable_reason``)."""
+    nat = NamespaceNat()
+    try:
+        nat.create()
+        yield nat
+    finally:
+        nat.delete()

@@ -24,16 +24,6 @@ pytestmark = [
 STEPS = 200
 
 
-@pytest.fixture
-def nat():
-    nat = NamespaceNat()
-    try:
-        nat.create()
-        yield nat
-    finally:
-        nat.delete()
-
-
 def test_home_peers_on_the_first_and_a_middle_stage_chain_outbound_and_wait_for_a_relay(swarm, nat: NamespaceNat):
     swarm.host = nat.public_ip
     swarm.start_coordinator(swarm.write_spec(num_stages=3, n_layers=3))

@@ -24,16 +24,6 @@ pytestmark = [
 STEPS = 250
 
 
-@pytest.fixture
-def nat():
-    nat = NamespaceNat()
-    try:
-        nat.create()
-        yield nat
-    finally:
-        nat.delete()
-
-
 def test_a_hop_no_peer_can_take_goes_through_the_trainer_alone_and_nothing_is_lost(swarm, nat: NamespaceNat):
     swarm.host = nat.public_ip
     swarm.start_coordinator(swarm.write_spec(num_stages=3, n_layers=3))
